@@ -1,0 +1,203 @@
+"""Configuration: frozen dataclasses for the model and the training run.
+
+A `ModelConfig` says everything needed to rebuild a model (it is what `config.json` in a run
+directory stores); a `TrainConfig` says how to train it. Both check their invariants when they are
+built, so a bad value fails at the command line rather than deep inside a compiled step. Values are
+changed with `dataclasses.replace`, or from the command line with `--set key=value`, which
+`apply_overrides` parses against the field's declared type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value a user gave is invalid; the message says which and why."""
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "minigpt"
+    vocab_size: int = 50257
+    context_len: int = 256
+    embed_dim: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 0  # 0: as many as num_heads (plain multi-head attention)
+    mlp_dim: int = 256
+    num_layers: int = 8
+    dropout: float = 0.1
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Embedding and output tables are padded to a multiple of this so they shard evenly over
+    # any power-of-two mesh axis; padded entries are masked out of every softmax.
+    vocab_multiple: int = 128
+    dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
+    remat: bool = False
+    scan_layers: bool = False
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "context_len", "embed_dim", "num_heads", "mlp_dim",
+                    "num_layers", "vocab_multiple")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.embed_dim % self.num_heads:
+            raise ConfigError(
+                f"model.embed_dim ({self.embed_dim}) must be divisible by "
+                f"model.num_heads ({self.num_heads})")
+        if self.num_kv_heads < 0 or (self.num_kv_heads and self.num_heads % self.num_kv_heads):
+            raise ConfigError(
+                f"model.num_heads ({self.num_heads}) must be a multiple of "
+                f"model.num_kv_heads ({self.num_kv_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "fsdp"
+    model: str = "minigpt"
+    data: tuple[str, ...] = ("tinystories",)
+    data_root: str = "data"
+    out: str = "runs/default"
+    steps: int = 5000
+    batch_size: int = 64  # global batch, in sequences
+    seq_len: int = 0  # 0: the model's context length
+    microbatches: int = 1  # gradient accumulation inside the compiled step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 250
+    eval_batches: int = 8
+    save_every: int = 500
+    keep_checkpoints: int = 3
+    profile_steps: str = ""  # "a:b" writes a profiler trace of steps a..b-1
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch_size", "microbatches", "log_every", "eval_every",
+                    "eval_batches", "save_every", "keep_checkpoints")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"train.batch_size ({self.batch_size}) must be divisible by "
+                f"train.microbatches ({self.microbatches})")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ConfigError("train.lr must be > 0, min_lr_ratio in [0, 1], warmup_steps >= 0")
+        if self.seq_len < 0:
+            raise ConfigError(f"train.seq_len must be >= 0, got {self.seq_len}")
+        if self.profile_steps:
+            parse_step_range(self.profile_steps)
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """Parse "a:b" into (a, b) with 0 <= a < b."""
+    try:
+        a, b = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"expected a step range 'a:b', got {text!r}") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"step range {text!r} must satisfy 0 <= a < b")
+    return a, b
+
+
+def _parse_value(text: str, annotation: Any, key: str) -> Any:
+    """Convert `text` to the type a dataclass field declares (str annotations resolved)."""
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        return tuple(part for part in text.split(",") if part)
+    if origin in (types.UnionType, typing.Union):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--set {key}: expected true or false, got {text!r}")
+    try:
+        return annotation(text)
+    except ValueError:
+        raise ConfigError(
+            f"--set {key}: expected {annotation.__name__}, got {text!r}") from None
+
+
+def apply_overrides(model: ModelConfig, train: TrainConfig,
+                    overrides: list[str]) -> tuple[ModelConfig, TrainConfig]:
+    """Apply `key=value` strings; a key is `field`, `model.field` or `train.field`."""
+    changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+    hints = {"model": typing.get_type_hints(ModelConfig),
+             "train": typing.get_type_hints(TrainConfig)}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        scope, _, name = key.rpartition(".")
+        scopes = [scope] if scope else [s for s in ("model", "train") if name in hints[s]]
+        if not scopes or scopes[0] not in hints or name not in hints[scopes[0]]:
+            known = sorted(f"model.{n}" for n in hints["model"]) + sorted(
+                f"train.{n}" for n in hints["train"])
+            raise ConfigError(f"--set: unknown field {key!r}; known fields: {', '.join(known)}")
+        if len(scopes) > 1:
+            raise ConfigError(f"--set: {name!r} is ambiguous; write model.{name} or train.{name}")
+        changes[scopes[0]][name] = _parse_value(value, hints[scopes[0]][name], key)
+    return (dataclasses.replace(model, **changes["model"]),
+            dataclasses.replace(train, **changes["train"]))
+
+
+def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown model config fields {unknown}")
+    return ModelConfig(**values)
+
+
+def save_run_config(path: Path, model: ModelConfig, train: TrainConfig, **extra: Any) -> None:
+    """Write config.json atomically: a crash mid-write must not leave a broken run directory."""
+    payload = {"model": dataclasses.asdict(model), "train": dataclasses.asdict(train), **extra}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def load_run_config(path: Path) -> dict[str, Any]:
+    try:
+        payload = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist: is this a minigpt run directory?") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); the run directory is damaged") from None
+    payload["model"] = model_config_from_dict(payload["model"])
+    return payload

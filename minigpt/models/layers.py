@@ -1,0 +1,280 @@
+"""Layers the model zoo shares, written with logical axis names only.
+
+Every parameter is created by `param`, which records the logical name of each dimension
+("embed", "mlp", ...). Which mesh axis a name is split over is the preset's business
+(`minigpt.sharding`); nothing here knows about meshes or devices.
+
+Dimension letters used in shapes and einsum strings:
+  B batch, T query positions, S key/value positions, D embed, N query heads, K key/value heads,
+  H head dim, F feed-forward (mlp), V vocabulary (padded), L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minigpt.config import ModelConfig
+from minigpt.sharding import constrain
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+ACTIVATION_AXES = ("batch", "seq", "embed")  # [B, T, D] between layers
+
+
+def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...],
+          axes: tuple[str | None, ...]) -> nnx.Param:
+    """A float32 parameter whose dimensions carry logical axis names.
+
+    Eager sharding is off: arrays are placed by `sharding.create_sharded`, which knows the mesh,
+    so models can also be built plainly on one device.
+    """
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes,
+                     eager_sharding=False)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; no key means evaluation (identity)."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    """A projection written as an einsum, e.g. "BTD,DNH->BTNH" for the query heads.
+
+    The kernel's leading dimensions are contracted with the input; the initializer sees the
+    kernel flattened to [inputs, outputs] so fan-in and fan-out mean what they do for a matrix.
+    """
+
+    def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
+                 init: Initializer, use_bias: bool, dtype: str, rngs: nnx.Rngs):
+        self.spec, self.dtype = spec, jnp.dtype(dtype)
+        x_letters, k_letters = spec.split("->")[0].split(",")
+        n_in = sum(letter in x_letters for letter in k_letters)
+        fan_in, fan_out = shape[:n_in], shape[n_in:]
+
+        def flat_init(key, full_shape, dtype):
+            flat = init(key, (math.prod(fan_in), math.prod(fan_out)), dtype)
+            return flat.reshape(full_shape)
+
+        self.kernel = param(rngs, flat_init, shape, axes)
+        self.bias = param(rngs, nnx.initializers.zeros, fan_out, axes[n_in:]) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embedding(nnx.Module):
+    """A lookup table [V, D]; `attend` reuses it as an output head (weight tying)."""
+
+    def __init__(self, num: int, dim: int, axes: tuple[str | None, str], *,
+                 init: Initializer, dtype: str, rngs: nnx.Rngs):
+        self.dtype = jnp.dtype(dtype)
+        self.table = param(rngs, init, (num, dim), axes)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.table[...], ids, axis=0).astype(self.dtype)  # [B, T, D]
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.table[...].astype(self.dtype))
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs):
+        self.eps, self.dtype = eps, jnp.dtype(dtype)
+        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+        self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Statistics in float32 whatever the compute dtype: bf16 variances lose too much.
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs):
+        self.eps, self.dtype = eps, jnp.dtype(dtype)
+        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+        return (y * self.scale[...]).astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate feature pairs (i, i + H/2) of x [B, T, N, H] by angles positions * theta^(-2i/H)."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
+    angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [B, T, 1, H/2]
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new [B, T, K, H] into cache [B, S, K, H] at a per-row offset start [B]."""
+    def write_row(c, n, s):
+        return jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
+    return jax.vmap(write_row)(cache, new, start)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with grouped-query heads, optional rotary positions and
+    an optional key/value cache for decoding."""
+
+    def __init__(self, cfg: ModelConfig, *, use_bias: bool, rope: bool, init: Initializer,
+                 out_init: Initializer, rngs: nnx.Rngs):
+        D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
+        self.query = Dense("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "kv"), init=init,
+                           **common)
+        self.key = Dense("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "kv"), init=init,
+                         **common)
+        self.value = Dense("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "kv"), init=init,
+                           **common)
+        self.out = Dense("BTNH,NHD->BTD", (N, H, D), ("heads", "kv", "embed"), init=out_init,
+                         **common)
+        self.rope_theta = cfg.rope_theta if rope else None
+
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 kv: tuple[jax.Array, jax.Array] | None = None):
+        q, k, v = self.query(x), self.key(x), self.value(x)  # [B, T, N, H], [B, T, K, H] x2
+        if self.rope_theta is not None:
+            q = apply_rope(q, positions, self.rope_theta)
+            k = apply_rope(k, positions, self.rope_theta)
+        if kv is None:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # [B, T, N, H]
+        else:
+            # Each row writes at its own offset; a key is visible when its position is at most
+            # the query's, which also hides stale entries beyond a row's current length.
+            k_cache = write_cache(kv[0], k.astype(kv[0].dtype), positions[:, 0])  # [B, S, K, H]
+            v_cache = write_cache(kv[1], v.astype(kv[1].dtype), positions[:, 0])
+            key_pos = jnp.arange(k_cache.shape[1])
+            mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+            y = jax.nn.dot_product_attention(q, k_cache.astype(q.dtype),
+                                             v_cache.astype(q.dtype), mask=mask)
+            kv = (k_cache, v_cache)
+        return self.out(y), kv
+
+
+class MLP(nnx.Module):
+    """Two-layer feed-forward network: D -> F -> D with an elementwise activation."""
+
+    def __init__(self, cfg: ModelConfig, *, activation: Callable[[jax.Array], jax.Array],
+                 use_bias: bool, init: Initializer, out_init: Initializer, rngs: nnx.Rngs):
+        D, F = cfg.embed_dim, cfg.mlp_dim
+        common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
+        self.up = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=init, **common)
+        self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(self.activation(self.up(x)))
+
+
+def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """Give the padding rows of the vocabulary zero probability in every softmax."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    real = jnp.arange(logits.shape[-1]) < vocab_size
+    return jnp.where(real, logits, -jnp.inf)
+
+
+class BlockStack(nnx.Module):
+    """The transformer blocks, applied in order, with optional rematerialisation.
+
+    A block is called as `block(x, positions, kv, key) -> (x, kv)`. The cache is one (k, v)
+    pair per layer; the stack owns how it is laid out, so callers treat it as opaque.
+    """
+
+    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], cfg: ModelConfig, *,
+                 rngs: nnx.Rngs):
+        self.layers = nnx.List([make_block(rngs) for _ in range(cfg.num_layers)])
+        self.remat = cfg.remat
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache, key: jax.Array | None):
+        new_cache = []
+        for i, block in enumerate(self.layers):
+            layer_key = None if key is None else jax.random.fold_in(key, i)
+            kv = None if cache is None else cache[i]
+            if self.remat:
+                x, kv = nnx.remat(lambda b, *args: b(*args))(block, x, positions, kv, layer_key)
+            else:
+                x, kv = block(x, positions, kv, layer_key)
+            x = constrain(x, ACTIVATION_AXES)
+            new_cache.append(kv)
+        return x, (None if cache is None else tuple(new_cache))
+
+
+class DecoderLM(nnx.Module):
+    """What every model in the zoo shares: token ids in, next-token logits out.
+
+    Subclasses build `self.blocks` (a BlockStack) and define `embed` (ids and positions to
+    [B, T, D]) and `head` ([B, T, D] to [B, T, V]).
+    """
+
+    config: ModelConfig
+    blocks: BlockStack
+
+    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def head(self, x: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Logits [B, T, V] (float32, V padded, padding at -inf) for token ids [B, T].
+
+        Dropout is on exactly when a key is given, so evaluation needs no flag.
+        """
+        B, T = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        logits, _ = self._forward(tokens, positions, None, dropout_key)
+        return logits
+
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache):
+        """Run tokens [B, T] at positions [B, T] against a cache; returns (logits, cache).
+
+        Row b's positions must be consecutive, starting where its cached prefix ends.
+        """
+        return self._forward(tokens, positions, cache, None)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32):
+        """An empty cache for `batch` rows of at most `length` positions."""
+        cfg = self.config
+        shape = (batch, length, cfg.kv_heads, cfg.head_dim)  # [B, S, K, H]
+        axes = ("batch", None, "kv_heads", "kv")
+        def empty():
+            return constrain(jnp.zeros(shape, dtype), axes)
+        return tuple((empty(), empty()) for _ in range(cfg.num_layers))
+
+    def _forward(self, tokens, positions, cache, key):
+        x = constrain(self.embed(tokens, positions), ACTIVATION_AXES)  # [B, T, D]
+        x, cache = self.blocks(x, positions, cache, key)
+        logits = self.head(x).astype(jnp.float32)  # [B, T, V]
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        return mask_padded_vocab(logits, self.config.vocab_size), cache
+
+
+def count_params(model: nnx.Module, cfg: ModelConfig) -> int:
+    """Parameters a model really has: the vocabulary's padding rows are not counted."""
+    total = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            axes = node.get_metadata().get("out_sharding") or ()
+            rows = cfg.vocab_size / cfg.padded_vocab if "vocab" in axes else 1
+            total += round(node.size * rows)
+    return total

@@ -1,0 +1,359 @@
+"""Parallelism presets: the only place that knows about meshes and mesh axis names.
+
+Models name the *logical* role of every array axis ("embed", "mlp", "vocab", ...). A preset is a
+small TOML file in `presets/` that says how the devices form a mesh and which mesh axis each logical
+axis is split over; anything it does not list is replicated. This module loads and validates
+presets, builds the mesh, creates model and optimizer state born sharded (each array is created by a
+compiled function directly on the devices that own it), places batches, and explains a preset as a
+table (`python -m minigpt.sharding --model minigpt --preset fsdp`).
+
+A preset that cannot apply is refused with a `PresetError` before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+import sys
+import tomllib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+
+# The logical axis vocabulary. Model code uses only these names; presets map them to mesh axes.
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers")
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+
+class PresetError(ValueError):
+    """A preset cannot apply to this model or these devices; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    mesh_axes: tuple[str, ...]
+    mesh_shape: tuple[int, ...]  # may contain one -1: all devices the other axes leave
+    rules: Rules  # every logical axis, unlisted ones mapped to None (replicated)
+    path: Path
+
+    def spec(self, axes: Sequence[str | None]) -> jax.P:
+        """The PartitionSpec of an array whose dimensions have these logical names."""
+        return logical_to_spec(axes, self.rules)
+
+    def mesh_axes_of(self, logical: str) -> tuple[str, ...]:
+        value = dict(self.rules).get(logical)
+        if value is None:
+            return ()
+        return (value,) if isinstance(value, str) else tuple(value)
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def load_preset(name_or_path: str | Path) -> Preset:
+    """Load a preset by name (a file in presets/) or by path to a TOML file, and validate it."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = PRESETS_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise PresetError(
+            f"unknown preset {str(name_or_path)!r}: choose one of "
+            f"{', '.join(available_presets())} or give the path of a .toml file")
+    name = path.stem
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise PresetError(f"preset {name!r} ({path}) is not valid TOML: {e}") from None
+
+    def fail(why: str) -> PresetError:
+        return PresetError(f"preset {name!r} ({path}): {why}")
+
+    mesh = data.get("mesh")
+    if not isinstance(mesh, dict) or "axes" not in mesh or "shape" not in mesh:
+        raise fail("needs a [mesh] table with 'axes' and 'shape'")
+    axes, shape = mesh["axes"], mesh["shape"]
+    if not (isinstance(axes, list) and axes and all(isinstance(a, str) for a in axes)):
+        raise fail(f"mesh.axes must be a non-empty list of names, got {axes!r}")
+    if len(set(axes)) != len(axes):
+        raise fail(f"mesh.axes has a repeated name: {axes}")
+    if not (isinstance(shape, list) and len(shape) == len(axes)
+            and all(isinstance(s, int) and (s > 0 or s == -1) for s in shape)):
+        raise fail(f"mesh.shape must be one positive size (or -1) per axis {axes}, got {shape!r}")
+    if shape.count(-1) > 1:
+        raise fail(f"mesh.shape may contain -1 at most once, got {shape}")
+
+    rules = data.get("rules", {})
+    if not isinstance(rules, dict):
+        raise fail("[rules] must be a table of logical axis = mesh axis")
+    table: dict[str, MeshAxes] = dict.fromkeys(LOGICAL_AXES)
+    for logical, target in rules.items():
+        if logical not in LOGICAL_AXES:
+            raise fail(f"rule for unknown logical axis {logical!r}; "
+                       f"logical axes are {', '.join(LOGICAL_AXES)}")
+        targets = [target] if isinstance(target, str) else target
+        if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+            raise fail(f"rule {logical} = {target!r} must name a mesh axis or a list of them")
+        for t in targets:
+            if t not in axes:
+                raise fail(f"rule {logical} = {target!r} names mesh axis {t!r}, "
+                           f"but the mesh axes are {axes}")
+        table[logical] = target if isinstance(target, str) else tuple(target)
+    unknown_keys = sorted(set(data) - {"description", "mesh", "rules"})
+    if unknown_keys:
+        raise fail(f"unknown top-level keys {unknown_keys}; expected description, [mesh], [rules]")
+    return Preset(name=name, description=str(data.get("description", "")),
+                  mesh_axes=tuple(axes), mesh_shape=tuple(shape),
+                  rules=tuple(table.items()), path=path)
+
+
+def resolve_mesh_shape(preset: Preset, num_devices: int) -> tuple[int, ...]:
+    """Replace -1 by the devices the other axes leave; refuse shapes that do not fit."""
+    fixed = math.prod(s for s in preset.mesh_shape if s != -1)
+    if -1 in preset.mesh_shape:
+        if num_devices % fixed:
+            raise PresetError(
+                f"preset {preset.name!r}: mesh {dict(zip(preset.mesh_axes, preset.mesh_shape))} "
+                f"needs a device count divisible by {fixed}, but there are {num_devices} devices")
+        return tuple(num_devices // fixed if s == -1 else s for s in preset.mesh_shape)
+    if fixed != num_devices:
+        raise PresetError(
+            f"preset {preset.name!r}: mesh {dict(zip(preset.mesh_axes, preset.mesh_shape))} "
+            f"uses {fixed} devices, but there are {num_devices}; use -1 for one axis to "
+            f"take the remaining devices")
+    return preset.mesh_shape
+
+
+def make_mesh(preset: Preset, devices: Sequence[Any] | None = None):
+    """Build the device mesh a preset describes, over `devices` (default: all devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(preset, len(devices))
+    auto = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, preset.mesh_axes, axis_types=auto, devices=devices)
+
+
+_active_rules: contextvars.ContextVar[Rules] = contextvars.ContextVar("rules", default=())
+
+
+@contextlib.contextmanager
+def use_preset(preset: Preset, mesh) -> Iterator[None]:
+    """Enter the mesh and the preset's logical-axis rules: the context for all model code.
+
+    The rules live in our own context rather than `nnx.logical_axis_rules`, because Flax maps each
+    logical name independently and would turn an [embed, mlp] kernel under `fsdp` into the invalid
+    spec ('fsdp', 'fsdp'); `logical_to_spec` resolves such clashes.
+    """
+    token = _active_rules.set(preset.rules)
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _active_rules.reset(token)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> jax.P:
+    """Translate logical axis names into a PartitionSpec by the given (or active) rules.
+
+    A mesh axis can split only one dimension of an array. When several dimensions map to the
+    same mesh axis, the first of them takes it and the later ones are replicated: under `fsdp`
+    an [embed, mlp] kernel is split by embed, an [mlp] bias by mlp, and a [batch, seq, embed]
+    activation by batch.
+    """
+    table = dict(_active_rules.get() if rules is None else rules)
+    used: set[str] = set()
+    spec = []
+    for name in axes:
+        target = table.get(name) if name else None
+        mesh_axes = () if target is None else (target,) if isinstance(target, str) else target
+        if any(a in used for a in mesh_axes):
+            mesh_axes = ()
+        used.update(mesh_axes)
+        spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return jax.P(*spec)
+
+
+def constrain(x, axes: Sequence[str | None]):
+    """Ask the compiler to lay out activation `x` by logical axes; a no-op outside a preset."""
+    if jax.sharding.get_abstract_mesh().empty or not _active_rules.get():
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+
+
+def _path_name(path: tuple) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_divisible(preset: Preset, mesh, abstract_state) -> None:
+    """Refuse a preset that splits a dimension its mesh axes do not divide evenly."""
+    leaves = jax.tree_util.tree_leaves_with_path(
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for path, var in leaves:
+        if not isinstance(var, nnx.Variable):
+            continue
+        axes = var.get_metadata().get("out_sharding")
+        if not axes:
+            continue
+        spec = preset.spec(axes)
+        for dim, (size, mesh_axes) in enumerate(zip(var.shape, spec)):
+            if mesh_axes is None:
+                continue
+            names = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+            ways = math.prod(mesh.shape[a] for a in names)
+            if size % ways:
+                raise PresetError(
+                    f"preset {preset.name!r}: parameter {_path_name(path)} of shape "
+                    f"{tuple(var.shape)} splits dimension {dim} ({axes[dim]!r}, size {size}) "
+                    f"over mesh axes {names} of {ways} devices, and {ways} does not divide "
+                    f"{size}; pick a model whose {axes[dim]!r} size divides by {ways} or "
+                    f"another preset")
+
+
+def state_shardings(preset: Preset, mesh, abstract_state):
+    """The NamedSharding of every Variable in an (abstract) NNX state, by the preset's rules."""
+    def sharding_of(var):
+        axes = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+        sharding = jax.sharding.NamedSharding(mesh, preset.spec(axes or ()))
+        return var.replace(sharding) if isinstance(var, nnx.Variable) else sharding
+
+    return jax.tree.map(sharding_of, abstract_state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def create_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
+    """Create the NNX objects `build` returns with every array born on its own devices.
+
+    `build` runs twice: once abstractly (shapes only) to learn each array's sharding and check
+    that the preset applies, then compiled with those output shardings, so no full copy of any
+    parameter ever sits on one device.
+    """
+    abstract = nnx.eval_shape(build)
+    graphdef, abstract_state = nnx.split(abstract)
+    check_divisible(preset, mesh, abstract_state)
+    shardings = state_shardings(preset, mesh, abstract_state)
+    with use_preset(preset, mesh):
+        state = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def batch_sharding(preset: Preset, mesh, ndim: int = 2):
+    """Sharding of a [batch, ...] array: the batch dimension split as the preset's `batch` rule."""
+    batch_axes = preset.mesh_axes_of("batch")
+    first = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
+    return jax.sharding.NamedSharding(mesh, jax.P(first, *([None] * (ndim - 1))))
+
+
+def batch_divisor(preset: Preset, mesh) -> int:
+    """How many ways the batch dimension is split: global batches must divide by it."""
+    return math.prod(mesh.shape[a] for a in preset.mesh_axes_of("batch"))
+
+
+def put_batch(batch: dict[str, Any], sharding) -> dict[str, Any]:
+    """Place this process's rows of a global batch on the mesh (works on one host or many)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def set_simulated_devices(count: int) -> None:
+    """Make JAX see `count` CPU devices; must run before JAX starts its backends."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("simulated devices must be set before JAX starts; it already has")
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def describe(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
+    """One row per array of an abstract NNX state: its name, shape, axes, spec, bytes/device."""
+    rows = []
+    leaves = jax.tree_util.tree_leaves_with_path(
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for path, var in leaves:
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        axes = (var.get_metadata().get("out_sharding") or ()
+                if isinstance(var, nnx.Variable) else ())
+        spec = preset.spec(axes)
+        ways = math.prod(math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
+                         for s in spec if s is not None)
+        nbytes = math.prod(value.shape) * value.dtype.itemsize
+        rows.append({"name": _path_name(path), "shape": tuple(value.shape), "axes": tuple(axes),
+                     "spec": spec, "bytes": nbytes, "bytes_per_device": nbytes // ways})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m minigpt.sharding",
+        description="Explain how a preset shards a model: every parameter's logical axes, mesh "
+                    "PartitionSpec and bytes per device.")
+    parser.add_argument("--model", default="minigpt", help="a model name from the zoo")
+    parser.add_argument("--preset", default="fsdp", help="preset name or path to a .toml file")
+    parser.add_argument("--devices", type=int, default=0,
+                        help="simulate this many CPU devices (default: the devices present)")
+    args = parser.parse_args(argv)
+    if args.devices:
+        set_simulated_devices(args.devices)
+
+    from minigpt.config import ConfigError, TrainConfig
+    from minigpt.models import build_model, get_config
+    from minigpt.steps import make_optimizer
+
+    try:
+        preset = load_preset(args.preset)
+        cfg = get_config(args.model)
+        mesh = make_mesh(preset)
+    except (PresetError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    def build():
+        model = build_model(cfg, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    try:
+        check_divisible(preset, mesh, nnx.state(model))
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    params = describe(preset, mesh, nnx.state(model, nnx.Param))
+    opt = describe(preset, mesh, nnx.state(optimizer))
+
+    mesh_text = " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    print(f"model {args.model} under preset {preset.name!r}: {preset.description}")
+    print(f"mesh: {mesh_text} ({mesh.size} {jax.devices()[0].platform} devices)\n")
+    header = ("parameter", "shape", "logical axes", "PartitionSpec", "bytes/device")
+    table = [header] + [(r["name"], "x".join(map(str, r["shape"])),
+                         "(" + ", ".join(str(a) for a in r["axes"]) + ")", str(r["spec"])[1:],
+                         f"{r['bytes_per_device']:,}") for r in params]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        print("  ".join(c.rjust(w) if j == 4 else c.ljust(w)
+                        for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+    def total(rows: list[dict[str, Any]], key: str) -> str:
+        return f"{sum(r[key] for r in rows) / 2**20:,.2f} MiB"
+
+    print(f"\nparameters:      {total(params, 'bytes_per_device')} per device "
+          f"(of {total(params, 'bytes')} in all)")
+    print(f"optimizer state: {total(opt, 'bytes_per_device')} per device "
+          f"(of {total(opt, 'bytes')} in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The compiled steps: loss, one optimizer step, evaluation; and the optimizer itself.
+
+Steps are functions of their arguments alone. Randomness arrives as a key: the dropout key of a
+step is the run's key folded with the optimizer's step count, so a resumed run draws exactly the
+masks the uninterrupted run would have drawn. A step reads nothing from the host and returns
+its metrics as device scalars; the trainer decides when to look at them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from minigpt.config import TrainConfig
+from minigpt.models import DecoderLM
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * cfg.min_lr_ratio at cfg.steps.
+
+    Warm-up starts at lr / warmup_steps rather than 0, so the first step already learns.
+    """
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    warmup = cfg.warmup_steps
+    decay = max(cfg.steps - warmup, 1)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = peak * (step + 1) / max(warmup, 1)
+        progress = jnp.clip((step - warmup) / decay, 0.0, 1.0)
+        cosine = floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
+        return jnp.where(step < warmup, warm, cosine)
+
+    return schedule
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; matrices decay, biases and norm scales do not."""
+    def decay_mask(params):
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.adamw(lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2,
+                    weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy; logits [B, T, V] float32, targets [B, T] int."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    return jnp.mean(log_z - target_logit)
+
+
+def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],
+            dropout_key: jax.Array | None = None) -> jax.Array:
+    return cross_entropy(model(batch["inputs"], dropout_key=dropout_key), batch["targets"])
+
+
+def _split_microbatches(x: jax.Array, count: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...] taking every M-th row, so that each device keeps its own rows
+    of every microbatch when the batch dimension is sharded (no data moves between devices)."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+
+
+def _loss_and_grads(model: DecoderLM, batch, key, microbatches: int):
+    if microbatches == 1:
+        return nnx.value_and_grad(loss_fn)(model, batch, key)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro_loss(params, micro, micro_key):
+        return loss_fn(nnx.merge(graphdef, params, rest), micro, micro_key)
+
+    def accumulate(carry, xs):
+        micro, index = xs
+        loss, grads = jax.value_and_grad(micro_loss)(params, micro, jax.random.fold_in(key, index))
+        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+    micros = jax.tree.map(lambda x: _split_microbatches(x, microbatches), batch)
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, (micros, jnp.arange(microbatches)))
+    return jax.tree.map(lambda x: x / microbatches, (loss, grads))
+
+
+@functools.partial(nnx.jit, static_argnames=("microbatches", "schedule"),
+                   donate_argnames=("model", "optimizer"))
+def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.Array],
+               rng: jax.Array, *, microbatches: int = 1,
+               schedule: optax.Schedule | None = None) -> dict[str, jax.Array]:
+    """One optimizer step on a global batch, accumulated over `microbatches` inside the step."""
+    step = optimizer.step[...]
+    key = jax.random.fold_in(rng, step) if model.config.dropout > 0 else None
+    loss, grads = _loss_and_grads(model, batch, key, microbatches)
+    optimizer.update(model, grads)
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    if schedule is not None:
+        metrics["lr"] = schedule(step)
+    return metrics
+
+
+@nnx.jit
+def eval_step(model: DecoderLM, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean loss on a batch, without dropout."""
+    return loss_fn(model, batch)

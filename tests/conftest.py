@@ -1,0 +1,54 @@
+"""Test set-up shared by every test module.
+
+Every test runs on 8 simulated CPU devices, whatever accelerator the machine has, so the same
+presets apply everywhere. The flags must be in the environment before JAX is first imported,
+which is why this happens at import time of the conftest, not in a fixture.
+
+Offline assets (TinyStories text, the GPT-2 tokenizer files) are found through MINIGPT_ASSETS,
+which defaults to ../shared/assets beside the repository. Where they are absent, tests that
+need TinyStories text use a small synthetic fixture, and tiktoken downloads its files itself.
+"""
+
+import os
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+REPO = Path(__file__).resolve().parent.parent
+ASSETS = Path(os.environ.get("MINIGPT_ASSETS", REPO.parent / "shared" / "assets")).resolve()
+if (ASSETS / "tiktoken_cache").is_dir():
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ASSETS / "tiktoken_cache"))
+
+import pytest  # noqa: E402
+
+SYNTHETIC_STORIES = [
+    "Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball.",
+    "One day, Lily went to the park with her mom. She saw a big dog and said hello.",
+    "Ben had a toy car. He drove it around the house. Then he gave it to his sister.",
+    "The sun was hot. A small bird sat in a tree and sang a happy song for its friends.",
+    "Mia found a shiny stone by the river. She kept it in her pocket and smiled all day.",
+]
+
+
+def write_synthetic_stories(path: Path, copies: int = 200) -> Path:
+    """Write TinyStories-layout text: stories separated by `<|endoftext|>` lines."""
+    stories = [f"{s} It was story number {i}." for i in range(copies) for s in SYNTHETIC_STORIES]
+    path.write_text("\n<|endoftext|>\n".join(stories) + "\n<|endoftext|>\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def assets_dir() -> Path:
+    return ASSETS
+
+
+@pytest.fixture(scope="session")
+def stories_file(tmp_path_factory) -> Path:
+    """A TinyStories text file: the real head of the dataset if the assets are here, else synthetic."""
+    real = ASSETS / "tinystories" / "TinyStories-train-head.txt"
+    if real.is_file():
+        return real
+    return write_synthetic_stories(tmp_path_factory.mktemp("stories") / "stories.txt")

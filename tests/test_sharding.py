@@ -1,0 +1,203 @@
+"""Presets: every file applies to the tiny model as its rules say; bad presets are refused."""
+
+import math
+import tomllib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from minigpt import sharding
+from minigpt.config import ModelConfig
+from minigpt.models import build_model, get_config
+
+TINY = get_config("minigpt-tiny")
+PRESETS = sharding.available_presets()
+
+
+def build_tiny(cfg: ModelConfig = TINY):
+    return build_model(cfg, rngs=nnx.Rngs(0))
+
+
+def expected_spec(rules: dict, axes: tuple) -> tuple:
+    """The documented rule, written out independently: each dimension takes the mesh axes its
+    logical name maps to, unless an earlier dimension of the same array already took them."""
+    used, spec = set(), []
+    for name in axes:
+        target = rules.get(name)
+        targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        if used & set(targets):
+            targets = ()
+        used |= set(targets)
+        spec.append(None if not targets else targets[0] if len(targets) == 1 else targets)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def normalised(spec) -> tuple:
+    spec = list(spec)
+    while spec and spec[-1] is None:
+        spec.pop()
+    return tuple(spec)
+
+
+def test_the_promised_presets_exist():
+    assert {"dp", "fsdp", "dp_tp", "tp", "fsdp_tp"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_parameter_is_sharded_as_the_rules_say(name):
+    preset = sharding.load_preset(name)
+    raw = tomllib.loads(preset.path.read_text())
+    mesh = sharding.make_mesh(preset)
+    assert mesh.size == 8
+    model = sharding.create_sharded(build_tiny, preset, mesh)
+    params = jax.tree_util.tree_leaves_with_path(
+        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert len(params) > 10
+    for path, var in params:
+        axes = var.get_metadata()["out_sharding"]
+        array = var.get_value()
+        assert array.sharding.mesh.shape == mesh.shape, path
+        assert normalised(array.sharding.spec) == expected_spec(raw["rules"], axes), path
+
+
+def test_fsdp_splits_every_parameter_eight_ways():
+    preset = sharding.load_preset("fsdp")
+    model = sharding.create_sharded(build_tiny, preset, sharding.make_mesh(preset))
+    for var in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        assert any(size % 8 == 0 for size in var.shape)
+        shard = var.addressable_shards[0].data
+        assert shard.nbytes * 8 == var.nbytes
+        assert len({d for s in var.addressable_shards for d in [s.device]}) == 8
+
+
+def test_optimizer_state_is_born_with_its_parameter_sharding():
+    from minigpt.config import TrainConfig
+    from minigpt.steps import make_optimizer
+
+    preset = sharding.load_preset("fsdp_tp")
+
+    def build():
+        model = build_tiny()
+        return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
+
+    model, optimizer = sharding.create_sharded(build, preset, sharding.make_mesh(preset))
+    kernel = model.blocks.layers[0].mlp.up.kernel.get_value()
+    adam = optimizer.opt_state[1][0]
+    for moment in (adam.mu, adam.nu):
+        state = moment["blocks"]["layers"][0]["mlp"]["up"]["kernel"].get_value()
+        assert state.sharding == kernel.sharding
+        assert normalised(state.sharding.spec) == ("fsdp", "model")
+
+
+def test_activation_spec_gives_a_shared_mesh_axis_to_the_first_dimension():
+    rules = sharding.load_preset("fsdp").rules
+    assert sharding.logical_to_spec(("batch", "seq", "embed"), rules) == jax.P("fsdp", None, None)
+    assert sharding.logical_to_spec(("embed", "mlp"), rules) == jax.P("fsdp", None)
+    assert sharding.logical_to_spec(("mlp",), rules) == jax.P("fsdp")
+    tp_rules = sharding.load_preset("fsdp_tp").rules
+    assert sharding.logical_to_spec(("embed", "mlp"), tp_rules) == jax.P("fsdp", "model")
+
+
+def test_batch_sharding_follows_the_batch_rule():
+    for name, expected in [("dp", "data"), ("fsdp", "fsdp"), ("tp", None), ("dp_tp", "data")]:
+        preset = sharding.load_preset(name)
+        mesh = sharding.make_mesh(preset)
+        assert normalised(sharding.batch_sharding(preset, mesh).spec) == normalised((expected,))
+    preset = sharding.load_preset("dp_tp")
+    assert sharding.batch_divisor(preset, sharding.make_mesh(preset)) == 4
+
+
+# Refusals ---------------------------------------------------------------------------------------
+
+
+def write_preset(tmp_path, text: str, name: str = "custom"):
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_preset_name_lists_the_available_ones():
+    with pytest.raises(sharding.PresetError) as e:
+        sharding.load_preset("zero3")
+    assert "'zero3'" in str(e.value)
+    for name in PRESETS:
+        assert name in str(e.value)
+
+
+def test_malformed_toml_is_refused_naming_the_preset(tmp_path):
+    path = write_preset(tmp_path, '[mesh]\naxes = ["data"\nshape = [-1]\n', "broken")
+    with pytest.raises(sharding.PresetError, match=r"preset 'broken'.*not valid TOML"):
+        sharding.load_preset(path)
+
+
+def test_rule_naming_a_missing_mesh_axis_is_refused(tmp_path):
+    path = write_preset(tmp_path, '[mesh]\naxes = ["data"]\nshape = [-1]\n[rules]\nmlp = "model"\n')
+    with pytest.raises(sharding.PresetError) as e:
+        sharding.load_preset(path)
+    assert "mlp" in str(e.value) and "'model'" in str(e.value) and "['data']" in str(e.value)
+
+
+def test_unknown_logical_axis_is_refused(tmp_path):
+    path = write_preset(tmp_path, '[mesh]\naxes = ["data"]\nshape = [-1]\n'
+                                  '[rules]\nhidden = "data"\n')
+    with pytest.raises(sharding.PresetError) as e:
+        sharding.load_preset(path)
+    assert "'hidden'" in str(e.value) and "embed" in str(e.value)
+
+
+@pytest.mark.parametrize("shape, needs", [("[3]", "uses 3 devices"), ("[-1, 3]", "divisible by 3"),
+                                          ("[4, 4]", "uses 16 devices")])
+def test_mesh_that_does_not_fit_the_devices_is_refused(tmp_path, shape, needs):
+    axes = '["data"]' if shape == "[3]" else '["data", "model"]'
+    path = write_preset(tmp_path, f"[mesh]\naxes = {axes}\nshape = {shape}\n")
+    preset = sharding.load_preset(path)
+    with pytest.raises(sharding.PresetError) as e:
+        sharding.make_mesh(preset)
+    assert needs in str(e.value) and "8 devices" in str(e.value) or "there are 8" in str(e.value)
+
+
+def test_dimension_not_divisible_by_its_mesh_axis_is_refused_before_compiling(monkeypatch):
+    cfg = ModelConfig(context_len=32, embed_dim=64, num_heads=8, mlp_dim=36, num_layers=1)
+    preset = sharding.load_preset("fsdp")
+    compiled = []
+    monkeypatch.setattr(sharding.jax, "jit", lambda *a, **k: compiled.append(1))
+    with pytest.raises(sharding.PresetError) as e:
+        sharding.create_sharded(lambda: build_tiny(cfg), preset, sharding.make_mesh(preset))
+    message = str(e.value)
+    assert "preset 'fsdp'" in message and "size 36" in message and "8 devices" in message
+    assert "'mlp'" in message and "parameter blocks.layers.0.mlp." in message
+    assert not compiled
+
+
+def test_explainer_prints_every_parameter_and_per_device_totals(capsys):
+    assert sharding.main(["--model", "minigpt-tiny", "--preset", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    model = build_tiny()
+    names = [".".join(str(k) for k in path) for path, _ in nnx.to_flat_state(nnx.state(model))]
+    for name in names:
+        assert name in out
+    total = sum(v.nbytes for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert f"{total / 8 / 2**20:,.2f} MiB per device (of {total / 2**20:,.2f} MiB in all)" in out
+    assert "('fsdp', None)" in out
+
+
+def test_explainer_refuses_a_bad_preset_with_one_line(capsys):
+    assert sharding.main(["--model", "minigpt-tiny", "--preset", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown preset 'nope'") and err.count("\n") == 1
+
+
+def test_dp_holds_eight_times_the_fsdp_bytes_per_device():
+    sizes = {}
+    for name in ("dp", "fsdp"):
+        preset = sharding.load_preset(name)
+        mesh = sharding.make_mesh(preset)
+        rows = sharding.describe(preset, mesh, nnx.state(nnx.eval_shape(build_tiny), nnx.Param))
+        sizes[name] = sum(r["bytes_per_device"] for r in rows)
+    assert sizes["dp"] == 8 * sizes["fsdp"]
+    assert math.isclose(sizes["dp"], sum(
+        np.prod(v.shape) * 4 for v in jax.tree.leaves(nnx.state(build_tiny(), nnx.Param))))

@@ -79,7 +79,8 @@ def _loss_and_grads(model: DecoderLM, batch, key, microbatches: int):
 
     def accumulate(carry, xs):
         micro, index = xs
-        loss, grads = jax.value_and_grad(micro_loss)(params, micro, jax.random.fold_in(key, index))
+        micro_key = None if key is None else jax.random.fold_in(key, index)
+        loss, grads = jax.value_and_grad(micro_loss)(params, micro, micro_key)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
     micros = jax.tree.map(lambda x: _split_microbatches(x, microbatches), batch)
@@ -98,7 +99,7 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
     key = jax.random.fold_in(rng, step) if model.config.dropout > 0 else None
     loss, grads = _loss_and_grads(model, batch, key, microbatches)
     optimizer.update(model, grads)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     if schedule is not None:
         metrics["lr"] = schedule(step)
     return metrics

@@ -1,0 +1,129 @@
+"""The compiled steps: one train step agrees across every preset; accumulation; schedule; loss."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from minigpt import sharding, steps
+from minigpt.config import TrainConfig
+from minigpt.models import build_model, get_config
+
+TINY = get_config("minigpt-tiny")
+TRAIN = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3)
+
+
+def build(cfg=TINY, train=TRAIN):
+    model = build_model(cfg, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, steps.make_optimizer(train), wrt=nnx.Param)
+
+
+def random_batch(batch=16, seq=TINY.context_len, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, TINY.vocab_size, (batch, seq + 1))
+    return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+
+
+def params_of(model):
+    return {jax.tree_util.keystr(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One step on a single device, outside any mesh: the answer every preset must give."""
+    model, optimizer = build()
+    before = params_of(model)
+    batch = {k: jnp.asarray(v) for k, v in random_batch().items()}
+    metrics = steps.train_step(model, optimizer, batch, jax.random.key(7),
+                               schedule=steps.lr_schedule(TRAIN))
+    return {k: float(v) for k, v in metrics.items()}, before, params_of(model)
+
+
+@pytest.mark.parametrize("name", sharding.available_presets())
+def test_one_step_is_the_same_under_every_preset(name, reference):
+    ref_metrics, before, ref_params = reference
+    preset = sharding.load_preset(name)
+    mesh = sharding.make_mesh(preset)
+    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    with sharding.use_preset(preset, mesh):
+        batch = sharding.put_batch(random_batch(), sharding.batch_sharding(preset, mesh))
+        metrics = steps.train_step(model, optimizer, batch, jax.random.key(7),
+                                   schedule=steps.lr_schedule(TRAIN))
+    assert float(metrics["loss"]) == pytest.approx(ref_metrics["loss"], rel=1e-6)
+    assert float(metrics["grad_norm"]) == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
+    assert float(metrics["lr"]) == pytest.approx(TRAIN.lr / TRAIN.warmup_steps)
+    params = params_of(model)
+    # Adam's first step moves every weight by about lr * sign(grad); where a gradient is ~1e-9 its
+    # sign is float noise, so allow 1% of a step beside the relative tolerance.
+    step = ref_metrics["lr"]
+    for key, value in params.items():
+        np.testing.assert_allclose(value, ref_params[key], rtol=1e-5, atol=0.01 * step,
+                                   err_msg=key)
+    # The comparison means something only if the step moved the weights: all but the token
+    # table (whose unseen rows get no gradient) move by about a full step.
+    dense = [k for k in before if "tokens" not in k]
+    moved = sum(int(np.sum(np.abs(ref_params[k] - before[k]) > 0.5 * step)) for k in dense)
+    assert moved > 0.9 * sum(before[k].size for k in dense)
+
+
+def test_gradient_accumulation_equals_one_larger_batch():
+    cfg = dataclasses.replace(TINY, dropout=0.0)
+    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=8, seq=32, seed=3).items()}
+    results = []
+    for micro in (1, 4):
+        model, optimizer = build(cfg)
+        metrics = steps.train_step(model, optimizer, batch, jax.random.key(0), microbatches=micro)
+        results.append((float(metrics["loss"]), float(metrics["grad_norm"]), params_of(model)))
+    (loss1, norm1, p1), (loss4, norm4, p4) = results
+    assert loss4 == pytest.approx(loss1, rel=1e-6)
+    assert norm4 == pytest.approx(norm1, rel=1e-5)
+    for key in p1:
+        # As above: 1% of a first Adam step (lr / warmup) absorbs the sign noise of ~0 gradients.
+        np.testing.assert_allclose(p4[key], p1[key], rtol=1e-5,
+                                   atol=0.01 * TRAIN.lr / TRAIN.warmup_steps, err_msg=key)
+
+
+def test_train_step_lowers_the_loss_on_a_repeated_batch():
+    model, optimizer = build(dataclasses.replace(TINY, dropout=0.0),
+                             TrainConfig(lr=3e-3, warmup_steps=0))
+    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
+    losses = [float(steps.train_step(model, optimizer, batch, jax.random.key(0))["loss"])
+              for _ in range(5)]
+    assert all(b < a for a, b in zip(losses, losses[1:]))
+    assert losses[-1] < losses[0] - 1.0
+    assert int(optimizer.step[...]) == 5
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    schedule = steps.lr_schedule(cfg)
+    assert float(schedule(0)) == pytest.approx(1e-4)
+    assert float(schedule(9)) == pytest.approx(1e-3)
+    assert float(schedule(10)) == pytest.approx(1e-3)
+    assert float(schedule(60)) == pytest.approx(0.55e-3)
+    assert float(schedule(110)) == pytest.approx(1e-4)
+    assert float(schedule(500)) == pytest.approx(1e-4)
+
+
+def test_cross_entropy_matches_optax_and_ignores_padding():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 12, (2, 5)))
+    expected = optax.softmax_cross_entropy_with_integer_labels(logits[..., :12], targets).mean()
+    padded = jnp.where(jnp.arange(16) < 12, logits, -jnp.inf)
+    assert float(steps.cross_entropy(padded, targets)) == pytest.approx(float(expected), rel=1e-6)
+    grads = jax.grad(lambda x: steps.cross_entropy(jnp.where(jnp.arange(16) < 12, x, -jnp.inf),
+                                                   targets))(logits)
+    assert np.all(np.asarray(grads[..., 12:]) == 0)
+
+
+def test_eval_step_is_deterministic_and_matches_the_loss():
+    model, _ = build()
+    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=2, seq=16).items()}
+    a, b = float(steps.eval_step(model, batch)), float(steps.eval_step(model, batch))
+    assert a == b == pytest.approx(float(steps.loss_fn(model, batch)), rel=1e-6)
+    assert a == pytest.approx(np.log(TINY.vocab_size), rel=0.05)

@@ -263,6 +263,12 @@ def put_batch(batch: dict[str, Any], sharding) -> dict[str, Any]:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
+def put_batch_fn(preset: Preset, mesh) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A function placing host batches [batch, seq] by the preset's `batch` rule."""
+    shard = batch_sharding(preset, mesh)
+    return lambda batch: put_batch(batch, shard)
+
+
 def set_simulated_devices(count: int) -> None:
     """Make JAX see `count` CPU devices; must run before JAX starts its backends."""
     from jax._src import xla_bridge

@@ -47,7 +47,7 @@ def assets_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def stories_file(tmp_path_factory) -> Path:
-    """A TinyStories text file: the real head of the dataset if the assets are here, else synthetic."""
+    """TinyStories text: the real head of the dataset if the assets are here, else synthetic."""
     real = ASSETS / "tinystories" / "TinyStories-train-head.txt"
     if real.is_file():
         return real

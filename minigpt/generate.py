@@ -1,0 +1,280 @@
+"""Telling stories: KV-cache sampling, its Python API and `python -m minigpt.generate`.
+
+The prompt is run once (prefill) to fill each layer's key/value cache; after that every new
+token costs one position of compute. The whole decode loop is one compiled `while_loop`.
+
+Batches of prompts of different lengths are right-padded; row b writes its new tokens at its own
+positions len_b, len_b + 1, ..., and a key is visible to a query only at or before the query's
+position, so padding is never attended to.
+
+Length rule: the model cannot see beyond its context. A prompt of more than context - 1 tokens
+is refused; otherwise at most context - (longest prompt) new tokens are generated, and the
+caller is told when `max_new_tokens` was cut to that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minigpt.models import DecoderLM
+
+
+class GenerationError(ValueError):
+    """A request the model cannot serve (prompt too long, bad sampling values, bad run)."""
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
+                  top_p: float) -> jax.Array:
+    """Draw one token per row from logits [B, V]; temperature 0 means greedy."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        # Keep the smallest set of tokens whose probability reaches top_p: a token stays if the
+        # mass of the tokens strictly more likely than it is below top_p.
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(nnx.jit, static_argnames=("max_new", "cache_len", "temperature", "top_k",
+                                             "top_p", "eot_id", "stream"))
+def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Array, *,
+            max_new: int, cache_len: int, temperature: float, top_k: int, top_p: float,
+            eot_id: int, stream: Callable | None):
+    """Prefill right-padded prompts [B, P] and sample up to `max_new` tokens per row."""
+    B, P = tokens.shape
+    cache = model.init_cache(B, cache_len, dtype=jnp.dtype(model.config.dtype))
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits, cache = model.decode(tokens, positions, cache)  # [B, P, V]
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    out = jnp.full((B, max_new), eot_id, jnp.int32)
+    done = jnp.zeros((B,), bool)
+
+    def keep_going(state):
+        i, _, _, _, done = state
+        return (i < max_new) & ~jnp.all(done)
+
+    def step(state):
+        i, last, cache, out, done = state
+        token = sample_logits(last, jax.random.fold_in(rng, i), temperature=temperature,
+                              top_k=top_k, top_p=top_p)
+        token = jnp.where(done, eot_id, token)
+        out = out.at[:, i].set(token)
+        if stream is not None:
+            jax.debug.callback(stream, token, ordered=True)
+        done = done | (token == eot_id)
+        logits, cache = model.decode(token[:, None], (lengths + i)[:, None], cache)
+        return i + 1, logits[:, 0], cache, out, done
+
+    _, _, _, out, _ = jax.lax.while_loop(keep_going, step, (0, last, cache, out, done))
+    return out
+
+
+def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
+                    max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
+                    top_p: float = 1.0, rng: jax.Array | None = None, eot_id: int | None = None,
+                    on_token: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
+    """New token ids for each prompt, stopping at `eot_id` (not included) or the length limit.
+
+    `on_token`, if given, receives each step's tokens [B] as they are drawn (for streaming).
+    """
+    context = model.config.context_len
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("every prompt needs at least one token")
+    longest = max(len(p) for p in prompts)
+    if longest > context - 1:
+        raise GenerationError(
+            f"the prompt has {longest} tokens but the model's context is {context}: shorten it "
+            f"to at most {context - 1} tokens to leave room for a new one")
+    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0 or max_new_tokens < 1:
+        raise GenerationError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and "
+                              "max_new_tokens >= 1")
+    if temperature > 0 and rng is None:
+        raise GenerationError("sampling with temperature > 0 needs an rng key (or a --seed)")
+    max_new = min(max_new_tokens, context - longest)
+    if max_new < max_new_tokens:
+        warnings.warn(f"max_new_tokens cut from {max_new_tokens} to {max_new}: the longest "
+                      f"prompt ({longest} tokens) and the new tokens must fit the model's "
+                      f"context of {context}", stacklevel=2)
+    # Round the padded prompt length up so prompts of similar length share one compilation.
+    padded = min(-(-longest // 16) * 16, context)
+    tokens = np.zeros((len(prompts), padded), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    eot = -1 if eot_id is None else eot_id
+    out = _decode(model, jnp.asarray(tokens), jnp.asarray(lengths),
+                  jax.random.key(0) if rng is None else rng, max_new=max_new,
+                  cache_len=min(context, padded + max_new), temperature=float(temperature),
+                  top_k=int(top_k), top_p=float(top_p), eot_id=eot,
+                  stream=None if on_token is None else _Stream(on_token))
+    rows = np.asarray(out).tolist()
+    return [row[:row.index(eot)] if eot in row else row for row in rows]
+
+
+class _Stream:
+    """A hashable wrapper (a static jit argument) passing host tokens to a callback."""
+
+    def __init__(self, fn: Callable[[np.ndarray], None]):
+        self.fn = fn
+
+    def __call__(self, tokens) -> None:
+        self.fn(np.asarray(tokens))
+
+    def __hash__(self) -> int:
+        return 0  # one compilation serves every callback
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Stream)
+
+
+def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 200,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             rng: jax.Array | None = None, on_text: Callable[[str], None] | None = None
+             ) -> list[str]:
+    """Continue each prompt; returns prompt + continuation texts.
+
+    `on_text` streams the text of a single prompt as tokens arrive.
+    """
+    if on_text is not None and len(prompts) != 1:
+        raise GenerationError("streaming works with a single prompt")
+    encoded = [tokenizer.encode_ordinary(p) for p in prompts]
+    on_token = None
+    if on_text is not None:
+        eot = tokenizer.eot_token
+
+        def on_token(tokens: np.ndarray) -> None:
+            if int(tokens[0]) != eot:
+                on_text(tokenizer.decode([int(tokens[0])]))
+
+    new = generate_tokens(model, encoded, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
+                          eot_id=tokenizer.eot_token, on_token=on_token)
+    return [tokenizer.decode(p + n) for p, n in zip(encoded, new)]
+
+
+def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_tokens: int,
+                       eot_id: int | None = None) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy decoding the slow way, re-running the whole sequence for every token.
+
+    The reference the cached decoder is tested against; returns the new tokens and the logits
+    that chose each of them.
+    """
+    forward = nnx.jit(lambda m, x: m(x))
+    context = model.config.context_len
+    tokens, chosen = list(prompt), []
+    for _ in range(min(max_new_tokens, context - len(prompt))):
+        # Pad to the full context (causality keeps the padding invisible) so one compilation
+        # serves every step.
+        x = np.zeros((1, context), np.int32)
+        x[0, :len(tokens)] = tokens
+        logits = np.asarray(forward(model, jnp.asarray(x))[0, len(tokens) - 1])
+        token = int(np.argmax(logits))
+        chosen.append(logits)
+        if token == eot_id:
+            break
+        tokens.append(token)
+    return tokens[len(prompt):], chosen
+
+
+def load_for_generation(run: str | Path, preset_name: str = "dp"):
+    """Restore a run's latest model weights (no optimizer state) under a preset."""
+    from minigpt import sharding
+    from minigpt.checkpoint import Checkpointer
+    from minigpt.config import ConfigError, load_run_config
+    from minigpt.models import build_model
+    from minigpt.tokenizer import load_tokenizer
+
+    run = Path(run)
+    if not run.is_dir():
+        raise GenerationError(f"run directory {run} does not exist")
+    try:
+        saved = load_run_config(run / "config.json")
+    except ConfigError as e:
+        raise GenerationError(str(e)) from None
+    cfg = saved["model"]
+    tokenizer = load_tokenizer(saved.get("tokenizer", "gpt2"))
+    if tokenizer.n_vocab != cfg.vocab_size:
+        raise GenerationError(
+            f"{run} was trained with tokenizer {saved.get('tokenizer')!r} and a vocabulary of "
+            f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
+    if not (run / "checkpoints").is_dir():
+        raise GenerationError(f"{run} holds no checkpoints/ directory: train it first")
+    checkpointer = Checkpointer(run / "checkpoints")
+    step = checkpointer.latest_step()
+    if step is None:
+        raise GenerationError(f"{run / 'checkpoints'} holds no checkpoint yet")
+    preset = sharding.load_preset(preset_name)
+    mesh = sharding.make_mesh(preset)
+    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), preset, mesh)
+    checkpointer.restore(model, step=step)
+    checkpointer.close()
+    return model, tokenizer, preset, mesh, step
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minigpt.generate",
+                                description="Tell stories from a run's latest checkpoint.")
+    p.add_argument("--run", required=True, help="run directory written by minigpt.train")
+    p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--preset", default="dp", help="how to lay the model out on the devices")
+    p.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
+    args = p.parse_args(argv)
+
+    from minigpt import sharding
+    from minigpt.checkpoint import CheckpointError
+    from minigpt.tokenizer import TokenizerError
+
+    if args.devices:
+        sharding.set_simulated_devices(args.devices)
+    try:
+        model, tokenizer, preset, mesh, step = load_for_generation(args.run, args.preset)
+        prompts = [args.prompt] * args.num_samples
+        rng = jax.random.key(args.seed)
+        stream = args.num_samples == 1
+        with sharding.use_preset(preset, mesh):
+            if stream:
+                print(args.prompt, end="", flush=True)
+            stories = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, rng=rng,
+                               on_text=(lambda t: print(t, end="", flush=True)) if stream
+                               else None)
+        if stream:
+            print()
+        else:
+            for i, story in enumerate(stories):
+                print(f"--- sample {i + 1} (step {step}) ---\n{story}\n")
+    except (GenerationError, CheckpointError, TokenizerError, sharding.PresetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

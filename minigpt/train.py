@@ -1,0 +1,295 @@
+"""Training: `python -m minigpt.train --preset fsdp` and the `train` function behind it.
+
+The loop keeps the accelerator busy: it dispatches step k and only then reads the metrics of step
+k-1, which are ready or nearly so, so the host never waits for the step it just queued. All
+array work happens inside the compiled step; the loop only moves host batches onto the mesh.
+
+A run directory holds config.json, metrics.jsonl, loss.png and checkpoints/. `--resume`
+continues from the latest checkpoint exactly: same batches, same dropout masks, same losses.
+Ctrl-C saves a checkpoint before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from minigpt import sharding, steps
+from minigpt.checkpoint import Checkpointer, CheckpointError
+from minigpt.config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    apply_overrides,
+    load_run_config,
+    parse_step_range,
+    save_run_config,
+)
+from minigpt.metrics import MetricsLog, device_peak, flops_per_token, plot_losses, read_metrics
+from minigpt.models import build_model, get_config
+
+
+def log(*args: Any) -> None:
+    """Print from process 0 only, so a multi-host job prints each line once."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
+
+
+def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.Preset, mesh):
+    """Model and optimizer, born sharded by the preset."""
+    def build():
+        model = build_model(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+        return model, nnx.Optimizer(model, steps.make_optimizer(train_cfg), wrt=nnx.Param)
+
+    return sharding.create_sharded(build, preset, mesh)
+
+
+def check_batch(train_cfg: TrainConfig, preset: sharding.Preset, mesh) -> None:
+    ways = sharding.batch_divisor(preset, mesh)
+    per_micro = train_cfg.batch_size // train_cfg.microbatches
+    if per_micro % ways or train_cfg.batch_size % jax.process_count():
+        raise ConfigError(
+            f"batch size {train_cfg.batch_size} with {train_cfg.microbatches} microbatch(es) "
+            f"gives {per_micro} sequences per microbatch, which preset {preset.name!r} must "
+            f"split {ways} ways over its batch axes {preset.mesh_axes_of('batch')}: choose a "
+            f"batch size that is a multiple of {ways * train_cfg.microbatches}")
+
+
+def evaluate(model, data_dir: Path, train_cfg: TrainConfig, seq_len: int, batch_put) -> float:
+    """Mean loss over the first `eval_batches` batches of the validation split (fixed order)."""
+    from minigpt.data import batch_iterator
+
+    it = batch_iterator(data_dir, "val", seq_len=seq_len, batch_size=train_cfg.batch_size,
+                        seed=0, shuffle=False, process_index=jax.process_index(),
+                        process_count=jax.process_count())
+    losses = [steps.eval_step(model, batch_put(next(it))) for _ in range(train_cfg.eval_batches)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = False,
+          sample: bool = True) -> dict[str, Any]:
+    """Train (or continue training) a model; returns a summary of the run."""
+    from minigpt.data import batch_iterator, load_meta, resolve_data
+
+    out = Path(train_cfg.out)
+    seq_len = train_cfg.seq_len or model_cfg.context_len
+    if seq_len > model_cfg.context_len:
+        raise ConfigError(f"train.seq_len {seq_len} exceeds the model's context "
+                          f"{model_cfg.context_len}")
+    preset = sharding.load_preset(train_cfg.preset)
+    mesh = sharding.make_mesh(preset)
+    check_batch(train_cfg, preset, mesh)
+    data_dir = resolve_data(train_cfg.data, train_cfg.data_root)
+    meta = load_meta(data_dir)
+
+    model, optimizer = init_state(model_cfg, train_cfg, preset, mesh)
+    checkpointer = Checkpointer(out / "checkpoints", keep=train_cfg.keep_checkpoints)
+    rng = jax.random.key(train_cfg.seed)
+    it = batch_iterator(data_dir, "train", seq_len=seq_len, batch_size=train_cfg.batch_size,
+                        seed=train_cfg.seed, process_index=jax.process_index(),
+                        process_count=jax.process_count())
+    start = 0
+    if resume:
+        restored = checkpointer.restore(model, optimizer)
+        start, rng = restored["step"], restored["rng"]
+        it.set_state(restored["data_state"])
+        log(f"resumed from {checkpointer.directory / str(start)} at step {start}")
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_run_config(out / "config.json", model_cfg, train_cfg, preset=preset.name,
+                        tokenizer=meta["tokenizer"], data_dir=str(data_dir))
+
+    batch_put = sharding.put_batch_fn(preset, mesh)
+    schedule = steps.lr_schedule(train_cfg)
+    tokens_per_step = train_cfg.batch_size * seq_len
+    peak, peak_source = device_peak(model_cfg.dtype)
+    flops = flops_per_token(model_cfg, seq_len)
+    metrics_log = MetricsLog(out / "metrics.jsonl", enabled=jax.process_index() == 0)
+    profile = parse_step_range(train_cfg.profile_steps) if train_cfg.profile_steps else None
+    log(f"preset {preset.name} on mesh {dict(mesh.shape)}; {tokens_per_step:,} tokens/step; "
+        f"MFU against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+
+    progress = _progress_bar(start, train_cfg.steps)
+    pending, last_time, step = None, time.perf_counter(), start
+    interrupted = False
+    try:
+        with sharding.use_preset(preset, mesh):
+            for step in range(start, train_cfg.steps):
+                if profile and step == profile[0]:
+                    jax.profiler.start_trace(str(out / "profile"))
+                batch = batch_put(next(it))
+                metrics = steps.train_step(model, optimizer, batch, rng,
+                                           microbatches=train_cfg.microbatches, schedule=schedule)
+                if pending is not None:  # read step k-1 while step k runs
+                    last_time = _record(pending, last_time, tokens_per_step, flops, peak,
+                                        mesh.size, metrics_log, progress, train_cfg)
+                pending = (step, metrics)
+                if profile and step + 1 == profile[1]:
+                    jax.profiler.stop_trace()
+                done = step + 1
+                if done % train_cfg.save_every == 0 or done == train_cfg.steps:
+                    checkpointer.save(done, model, optimizer, data_state=it.get_state(), rng=rng)
+                if done % train_cfg.eval_every == 0 or done == train_cfg.steps:
+                    eval_loss = evaluate(model, data_dir, train_cfg, seq_len, batch_put)
+                    metrics_log.write({"step": done, "eval_loss": eval_loss,
+                                       "eval_perplexity": math.exp(min(eval_loss, 50))})
+                    if progress is not None:
+                        progress.write(f"step {done}: eval loss {eval_loss:.4f}")
+            if pending is not None:
+                _record(pending, last_time, tokens_per_step, flops, peak, mesh.size,
+                        metrics_log, progress, train_cfg)
+    except KeyboardInterrupt:
+        interrupted = True
+        done = int(optimizer.step[...])
+        log(f"\ninterrupted: saving a checkpoint at step {done} before exiting")
+        checkpointer.save(done, model, optimizer, data_state=it.get_state(), rng=rng)
+    finally:
+        checkpointer.wait()
+        metrics_log.close()
+        if progress is not None:
+            progress.close()
+    if interrupted:
+        raise KeyboardInterrupt
+
+    summary = {"out": str(out), "steps": train_cfg.steps,
+               "checkpoint": str(checkpointer.directory / str(checkpointer.latest_step()))}
+    if jax.process_index() == 0:
+        records = read_metrics(out / "metrics.jsonl")
+        plot_losses(records, out / "loss.png")
+        summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
+        summary["eval_loss"] = next(
+            (r["eval_loss"] for r in reversed(records) if "eval_loss" in r), None)
+    log(f"checkpoint: {summary['checkpoint']}")
+    if sample:
+        _print_sample(model, meta["tokenizer"], preset, mesh)
+    return summary
+
+
+def _record(pending, last_time, tokens_per_step, flops, peak, num_devices, metrics_log,
+            progress, train_cfg) -> float:
+    step, metrics = pending
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    now = time.perf_counter()
+    tokens_per_s = tokens_per_step / max(now - last_time, 1e-9)
+    record = {"step": step + 1, **values, "tokens_per_s": tokens_per_s,
+              "mfu": flops * tokens_per_s / (peak * num_devices)}
+    metrics_log.write(record)
+    if progress is not None:
+        progress.update(1)
+        if (step + 1) % train_cfg.log_every == 0:
+            progress.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                 mfu=f"{record['mfu']:.2f}")
+    return now
+
+
+def _progress_bar(start: int, total: int):
+    if jax.process_index() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _print_sample(model, tokenizer_name: str, preset, mesh) -> None:
+    from minigpt.generate import generate
+    from minigpt.tokenizer import load_tokenizer
+
+    with sharding.use_preset(preset, mesh):
+        story = generate(model, load_tokenizer(tokenizer_name), ["Once upon a time"],
+                         max_new_tokens=100, temperature=0.8, top_k=50, rng=jax.random.key(0))[0]
+    log(f"sample:\n{story}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minigpt.train", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", help="parallelism preset: a name in presets/ or a .toml path "
+                                    "(default fsdp)")
+    p.add_argument("--model", help="model name from the zoo (default minigpt)")
+    p.add_argument("--data", nargs="+", help="'tinystories', 'tinystories-v2' or text files")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch-size", type=int, help="global batch in sequences")
+    p.add_argument("--seq-len", type=int, help="training context (default: the model's)")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--out", help="run directory (default runs/default)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--devices", type=int, default=0,
+                   help="simulate this many CPU devices (try any preset on a laptop)")
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--save-every", type=int)
+    p.add_argument("--profile-steps", help="'a:b': write a profiler trace of steps a..b-1")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set model.dropout=0 --set lr=3e-4")
+    return p
+
+
+FLAG_FIELDS = {"preset": "preset", "data": "data", "steps": "steps", "batch_size": "batch_size",
+               "seq_len": "seq_len", "lr": "lr", "seed": "seed", "out": "out",
+               "eval_every": "eval_every", "save_every": "save_every",
+               "profile_steps": "profile_steps"}
+
+
+def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
+    """Configs from flags; on --resume, the run's saved configs with the flags given on top."""
+    given = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()
+             if getattr(args, flag) is not None}
+    if "data" in given:
+        given["data"] = tuple(given["data"])
+    out = Path(args.out or TrainConfig.out)
+    if args.resume:
+        saved = load_run_config(out / "config.json")
+        model_cfg = saved["model"]
+        train_cfg = TrainConfig(**{**saved["train"], "data": tuple(saved["train"]["data"]),
+                                   **given})
+        wanted = get_config(args.model) if args.model else model_cfg
+        wanted, train_cfg = apply_overrides(wanted, train_cfg, args.set)
+        differing = [f.name for f in dataclasses.fields(ModelConfig)
+                     if getattr(wanted, f.name) != getattr(model_cfg, f.name)]
+        if differing:
+            details = ", ".join(f"{n}: {getattr(model_cfg, n)!r} -> {getattr(wanted, n)!r}"
+                                for n in differing)
+            raise ConfigError(f"cannot resume {out} with a different model ({details}); "
+                              f"drop those options or train into a new --out")
+        return model_cfg, train_cfg
+    model_cfg = get_config(args.model or TrainConfig.model)
+    train_cfg = TrainConfig(**{**given, "model": args.model or TrainConfig.model})
+    return apply_overrides(model_cfg, train_cfg, args.set)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.devices:
+        sharding.set_simulated_devices(args.devices)
+    from minigpt.data import DataError
+    from minigpt.tokenizer import TokenizerError
+
+    try:
+        model_cfg, train_cfg = resolve_configs(args)
+        out = Path(train_cfg.out)
+        if not args.resume and (out / "checkpoints").is_dir() and any(
+                (out / "checkpoints").iterdir()):
+            raise ConfigError(f"{out} already holds checkpoints: pass --resume to continue it, "
+                              f"or choose another --out")
+        train(model_cfg, train_cfg, resume=args.resume)
+    except (ConfigError, sharding.PresetError, CheckpointError, DataError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

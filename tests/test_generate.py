@@ -1,0 +1,160 @@
+"""KV-cache generation: exact agreement with full recompute, sampling rules, length rule, CLI."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from minigpt import sharding
+from minigpt.generate import (
+    GenerationError,
+    generate_recompute,
+    generate_tokens,
+    main,
+    sample_logits,
+)
+from minigpt.models import build_model, get_config
+
+TINY = get_config("minigpt-tiny")
+PROMPTS = [[464, 3797, 3332], list(range(100, 137)), [7], list(range(2000, 2017))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(TINY, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def greedy(model):
+    return generate_tokens(model, PROMPTS, max_new_tokens=24, temperature=0.0)
+
+
+def test_cached_greedy_equals_full_recompute_for_a_mixed_batch(model, greedy):
+    for prompt, tokens in zip(PROMPTS, greedy):
+        reference, _ = generate_recompute(model, prompt, max_new_tokens=24)
+        assert tokens == reference
+        assert len(tokens) == 24
+
+
+def test_each_row_continues_its_own_prompt(model, greedy):
+    alone = [generate_tokens(model, [p], max_new_tokens=24, temperature=0.0)[0]
+             for p in PROMPTS[:2]]
+    assert alone == greedy[:2]
+
+
+def test_cached_logits_match_the_full_forward_pass(model):
+    tokens = jnp.asarray([list(range(300, 340))], jnp.int32)
+    full = np.asarray(model(tokens))[0]  # [T, V]
+    cache = model.init_cache(1, 64)
+    prefill = 25
+    positions = jnp.arange(prefill, dtype=jnp.int32)[None]
+    logits, cache = model.decode(tokens[:, :prefill], positions, cache)
+    got = [np.asarray(logits)[0]]
+    for t in range(prefill, 40):
+        logits, cache = model.decode(tokens[:, t:t + 1], jnp.asarray([[t]], jnp.int32), cache)
+        got.append(np.asarray(logits)[0])
+    got = np.concatenate(got)
+    real = slice(0, TINY.vocab_size)
+    np.testing.assert_allclose(got[:, real], full[:, real], rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_model_generates_the_same_tokens(greedy):
+    preset = sharding.load_preset("dp_tp")
+    mesh = sharding.make_mesh(preset)
+    sharded = sharding.create_sharded(lambda: build_model(TINY, rngs=nnx.Rngs(0)), preset, mesh)
+    with sharding.use_preset(preset, mesh):
+        tokens = generate_tokens(sharded, PROMPTS, max_new_tokens=24, temperature=0.0)
+    assert tokens == greedy
+
+
+def test_same_seed_same_text_different_seed_different_text(model):
+    def draw(seed):
+        return generate_tokens(model, PROMPTS[:2], max_new_tokens=16, temperature=1.0,
+                               rng=jax.random.key(seed))
+    assert draw(1) == draw(1)
+    assert draw(1) != draw(2)
+
+
+def test_top_k_never_samples_outside_the_k_likeliest():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 100)), jnp.float32)
+    allowed = np.argsort(-np.asarray(logits), axis=-1)[:, :5]
+    for i in range(50):
+        tokens = np.asarray(sample_logits(logits, jax.random.key(i), temperature=2.0, top_k=5,
+                                          top_p=1.0))
+        for row in range(4):
+            assert tokens[row] in allowed[row]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = jnp.log(jnp.asarray([[0.05, 0.5, 0.15, 0.3]]))
+    seen = {p: set() for p in (0.5, 0.7, 0.9, 1.0)}
+    for i in range(200):
+        for p in seen:
+            seen[p].add(int(sample_logits(probs, jax.random.key(i), temperature=1.0, top_k=0,
+                                          top_p=p)[0]))
+    assert seen[0.5] == {1}
+    assert seen[0.7] == {1, 3}
+    assert seen[0.9] == {1, 3, 2}
+    assert seen[1.0] == {0, 1, 2, 3}
+
+
+def test_greedy_is_temperature_zero():
+    logits = jnp.asarray([[0.1, 3.0, 2.9]])
+    assert int(sample_logits(logits, None, temperature=0.0, top_k=0, top_p=1.0)[0]) == 1
+
+
+def test_generation_stops_at_end_of_text(model, greedy):
+    eot = greedy[0][5]
+    first = greedy[0].index(eot)
+    tokens = generate_tokens(model, PROMPTS[:1], max_new_tokens=24, temperature=0.0,
+                             eot_id=eot)[0]
+    assert tokens == greedy[0][:first]
+
+
+def test_streaming_sees_every_token_in_order(model):
+    seen = []
+    tokens = generate_tokens(model, PROMPTS[:1], max_new_tokens=10, temperature=0.0,
+                             on_token=lambda t: seen.append(int(t[0])))
+    assert seen == tokens[0]
+
+
+def test_length_rule_refuses_long_prompts_and_caps_new_tokens(model):
+    with pytest.raises(GenerationError, match="context is 128"):
+        generate_tokens(model, [[1] * 128], max_new_tokens=4, temperature=0.0)
+    with pytest.warns(UserWarning, match="cut from 50 to 8"):
+        tokens = generate_tokens(model, [[1] * 120, [2] * 3], max_new_tokens=50,
+                                 temperature=0.0)
+    assert [len(t) for t in tokens] == [8, 8]
+
+
+def test_sampling_needs_a_key(model):
+    with pytest.raises(GenerationError, match="rng"):
+        generate_tokens(model, [[1, 2]], max_new_tokens=4, temperature=0.7)
+
+
+def test_cli_refuses_a_missing_run(tmp_path, capsys):
+    assert main(["--run", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_run_without_checkpoints(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(
+        {"model": {"arch": "minigpt", "embed_dim": 64, "num_heads": 8}, "train": {},
+         "tokenizer": "gpt2"}))
+    assert main(["--run", str(run)]) == 2
+    assert "no checkpoints" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_run_trained_with_another_vocabulary(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(
+        {"model": {"arch": "minigpt", "vocab_size": 32000}, "train": {}, "tokenizer": "gpt2"}))
+    assert main(["--run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "32000" in err and "50257" in err

@@ -92,6 +92,7 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 100
+    decay_steps: int = 0  # step at which the cosine reaches its floor; 0: at `steps`
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -116,6 +117,8 @@ class TrainConfig:
                 f"train.microbatches ({self.microbatches})")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
             raise ConfigError("train.lr must be > 0, min_lr_ratio in [0, 1], warmup_steps >= 0")
+        if self.decay_steps < 0:
+            raise ConfigError(f"train.decay_steps must be >= 0, got {self.decay_steps}")
         if self.seq_len < 0:
             raise ConfigError(f"train.seq_len must be >= 0, got {self.seq_len}")
         if self.profile_steps:

@@ -15,6 +15,7 @@ caller is told when `max_new_tokens` was cut to that.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import warnings
@@ -59,7 +60,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float, top_
                                              "top_p", "eot_id", "stream"))
 def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Array, *,
             max_new: int, cache_len: int, temperature: float, top_k: int, top_p: float,
-            eot_id: int, stream: Callable | None):
+            eot_id: int, stream: bool):
     """Prefill right-padded prompts [B, P] and sample up to `max_new` tokens per row."""
     B, P = tokens.shape
     cache = model.init_cache(B, cache_len, dtype=jnp.dtype(model.config.dtype))
@@ -79,8 +80,10 @@ def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Ar
                               top_k=top_k, top_p=top_p)
         token = jnp.where(done, eot_id, token)
         out = out.at[:, i].set(token)
-        if stream is not None:
-            jax.debug.callback(stream, token, ordered=True)
+        if stream:
+            # Ordered effects are unsupported across devices; the step index lets the host put
+            # tokens back in order should they ever arrive out of it.
+            jax.debug.callback(_stream, i, token)
         done = done | (token == eot_id)
         logits, cache = model.decode(token[:, None], (lengths + i)[:, None], cache)
         return i + 1, logits[:, 0], cache, out, done
@@ -122,29 +125,45 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
         tokens[row, :len(prompt)] = prompt
     lengths = np.array([len(p) for p in prompts], np.int32)
     eot = -1 if eot_id is None else eot_id
-    out = _decode(model, jnp.asarray(tokens), jnp.asarray(lengths),
-                  jax.random.key(0) if rng is None else rng, max_new=max_new,
-                  cache_len=min(context, padded + max_new), temperature=float(temperature),
-                  top_k=int(top_k), top_p=float(top_p), eot_id=eot,
-                  stream=None if on_token is None else _Stream(on_token))
-    rows = np.asarray(out).tolist()
+    with _stream.to(on_token) if on_token else contextlib.nullcontext():
+        out = _decode(model, jnp.asarray(tokens), jnp.asarray(lengths),
+                      jax.random.key(0) if rng is None else rng, max_new=max_new,
+                      cache_len=min(context, padded + max_new), temperature=float(temperature),
+                      top_k=int(top_k), top_p=float(top_p), eot_id=eot,
+                      stream=on_token is not None)
+        rows = np.asarray(out).tolist()
     return [row[:row.index(eot)] if eot in row else row for row in rows]
 
 
-class _Stream:
-    """A hashable wrapper (a static jit argument) passing host tokens to a callback."""
+class _StreamRouter:
+    """Forwards each decode step's tokens to the current generation's callback, in step order.
 
-    def __init__(self, fn: Callable[[np.ndarray], None]):
-        self.fn = fn
+    The compiled decode loop holds this one object, so a cached compilation reaches the callback
+    of whichever call is running now rather than the callback of the call that compiled it.
+    """
 
-    def __call__(self, tokens) -> None:
-        self.fn(np.asarray(tokens))
+    def __init__(self):
+        self.target: Callable[[np.ndarray], None] | None = None
+        self.next, self.waiting = 0, {}
 
-    def __hash__(self) -> int:
-        return 0  # one compilation serves every callback
+    @contextlib.contextmanager
+    def to(self, target: Callable[[np.ndarray], None]):
+        self.target, self.next, self.waiting = target, 0, {}
+        try:
+            yield
+        finally:
+            self.target = None
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Stream)
+    def __call__(self, index, tokens) -> None:
+        self.waiting[int(index)] = np.asarray(tokens)
+        while self.next in self.waiting:
+            tokens = self.waiting.pop(self.next)
+            if self.target is not None:
+                self.target(tokens)
+            self.next += 1
+
+
+_stream = _StreamRouter()
 
 
 def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 200,

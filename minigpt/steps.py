@@ -8,6 +8,7 @@ its metrics as device scalars; the trainer decides when to look at them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -20,34 +21,49 @@ from minigpt.config import TrainConfig
 from minigpt.models import DecoderLM
 
 
-def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warm-up to cfg.lr, then cosine decay to cfg.lr * cfg.min_lr_ratio at cfg.steps.
+@dataclasses.dataclass(frozen=True)
+class LRSchedule:
+    """Linear warm-up to `peak`, cosine decay to `floor` at step `decay_end`, constant after.
 
-    Warm-up starts at lr / warmup_steps rather than 0, so the first step already learns.
+    Warm-up starts at peak / warmup rather than 0, so the first step already learns. A frozen
+    dataclass rather than a closure: equal schedules compare equal, so runs with the same
+    hyperparameters share one compiled train step.
     """
-    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
-    warmup = cfg.warmup_steps
-    decay = max(cfg.steps - warmup, 1)
 
-    def schedule(step):
+    peak: float
+    floor: float
+    warmup: int
+    decay_end: int
+
+    def __call__(self, step):
         step = jnp.asarray(step, jnp.float32)
-        warm = peak * (step + 1) / max(warmup, 1)
-        progress = jnp.clip((step - warmup) / decay, 0.0, 1.0)
-        cosine = floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
-        return jnp.where(step < warmup, warm, cosine)
+        warm = self.peak * (step + 1) / max(self.warmup, 1)
+        progress = jnp.clip((step - self.warmup) / max(self.decay_end - self.warmup, 1), 0.0, 1.0)
+        cosine = self.floor + (self.peak - self.floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
+        return jnp.where(step < self.warmup, warm, cosine)
 
-    return schedule
+
+def lr_schedule(cfg: TrainConfig) -> LRSchedule:
+    return LRSchedule(peak=cfg.lr, floor=cfg.lr * cfg.min_lr_ratio, warmup=cfg.warmup_steps,
+                      decay_end=cfg.decay_steps or cfg.steps)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW after global-norm clipping; matrices decay, biases and norm scales do not."""
+    return _adamw(lr_schedule(cfg), cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip)
+
+
+@functools.cache
+def _adamw(schedule: LRSchedule, b1: float, b2: float, weight_decay: float,
+           clip: float) -> optax.GradientTransformation:
+    # Cached: the optimizer object is part of what a compiled step is keyed on, so equal
+    # settings must give the identical object to reuse a compilation.
     def decay_mask(params):
         return jax.tree.map(lambda p: p.ndim >= 2, params)
 
     return optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip),
-        optax.adamw(lr_schedule(cfg), b1=cfg.beta1, b2=cfg.beta2,
-                    weight_decay=cfg.weight_decay, mask=decay_mask),
+        optax.clip_by_global_norm(clip),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask),
     )
 
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +80,50 @@ def evaluate(model, data_dir: Path, train_cfg: TrainConfig, seq_len: int, batch_
     return float(np.mean(jax.device_get(losses)))
 
 
+class _StopOnInterrupt:
+    """Turn the first Ctrl-C into a request the loop honours at a safe point (after a step has
+    been dispatched), so the checkpoint it saves is consistent; a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+        log("\ninterrupted: finishing the current step and saving a checkpoint "
+            "(Ctrl-C again to quit without saving)")
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class _StepTimer:
+    """Wall time per step, leaving out the first step (compilation) and eval/checkpoint pauses."""
+
+    def __init__(self):
+        self.last: float | None = None
+        self.paused = 0.0
+
+    def lap(self) -> float | None:
+        now = time.perf_counter()
+        elapsed = None if self.last is None else now - self.last - self.paused
+        self.last, self.paused = now, 0.0
+        return elapsed
+
+    @contextlib.contextmanager
+    def pause(self):
+        start = time.perf_counter()
+        yield
+        self.paused += time.perf_counter() - start
+
+
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = False,
           sample: bool = True) -> dict[str, Any]:
     """Train (or continue training) a model; returns a summary of the run."""
@@ -105,97 +152,107 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
         start, rng = restored["step"], restored["rng"]
         it.set_state(restored["data_state"])
         log(f"resumed from {checkpointer.directory / str(start)} at step {start}")
-    if jax.process_index() == 0:
+    is_writer = jax.process_index() == 0
+    if is_writer:
         out.mkdir(parents=True, exist_ok=True)
         save_run_config(out / "config.json", model_cfg, train_cfg, preset=preset.name,
                         tokenizer=meta["tokenizer"], data_dir=str(data_dir))
+        _drop_records_after(out / "metrics.jsonl", start)
 
     batch_put = sharding.put_batch_fn(preset, mesh)
     schedule = steps.lr_schedule(train_cfg)
     tokens_per_step = train_cfg.batch_size * seq_len
     peak, peak_source = device_peak(model_cfg.dtype)
     flops = flops_per_token(model_cfg, seq_len)
-    metrics_log = MetricsLog(out / "metrics.jsonl", enabled=jax.process_index() == 0)
+    metrics_log = MetricsLog(out / "metrics.jsonl", enabled=is_writer)
     profile = parse_step_range(train_cfg.profile_steps) if train_cfg.profile_steps else None
+    progress = _progress_bar(start, train_cfg.steps) if is_writer else None
+    timer = _StepTimer()
     log(f"preset {preset.name} on mesh {dict(mesh.shape)}; {tokens_per_step:,} tokens/step; "
         f"MFU against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
 
-    progress = _progress_bar(start, train_cfg.steps)
-    pending, last_time, step = None, time.perf_counter(), start
-    interrupted = False
+    def record(step: int, metrics: dict[str, jax.Array]) -> None:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = timer.lap()
+        entry = {"step": step + 1, **values}
+        if elapsed is not None:
+            entry["tokens_per_s"] = tokens_per_step / elapsed
+            entry["mfu"] = flops * entry["tokens_per_s"] / (peak * mesh.size)
+        metrics_log.write(entry)
+        if progress is not None:
+            progress.update(1)
+            if (step + 1) % train_cfg.log_every == 0 and elapsed is not None:
+                progress.set_postfix(loss=f"{values['loss']:.3f}",
+                                     tok_s=f"{entry['tokens_per_s']:,.0f}",
+                                     mfu=f"{entry['mfu']:.3f}")
+
+    pending, done, data_state = None, start, it.get_state()
     try:
-        with sharding.use_preset(preset, mesh):
+        with sharding.use_preset(preset, mesh), _StopOnInterrupt() as stop:
             for step in range(start, train_cfg.steps):
+                if stop.requested:
+                    break
                 if profile and step == profile[0]:
                     jax.profiler.start_trace(str(out / "profile"))
                 batch = batch_put(next(it))
                 metrics = steps.train_step(model, optimizer, batch, rng,
                                            microbatches=train_cfg.microbatches, schedule=schedule)
+                data_state, done = it.get_state(), step + 1
                 if pending is not None:  # read step k-1 while step k runs
-                    last_time = _record(pending, last_time, tokens_per_step, flops, peak,
-                                        mesh.size, metrics_log, progress, train_cfg)
+                    record(*pending)
                 pending = (step, metrics)
-                if profile and step + 1 == profile[1]:
+                if profile and done == profile[1]:
                     jax.profiler.stop_trace()
-                done = step + 1
-                if done % train_cfg.save_every == 0 or done == train_cfg.steps:
-                    checkpointer.save(done, model, optimizer, data_state=it.get_state(), rng=rng)
-                if done % train_cfg.eval_every == 0 or done == train_cfg.steps:
-                    eval_loss = evaluate(model, data_dir, train_cfg, seq_len, batch_put)
+                save = done % train_cfg.save_every == 0 or done == train_cfg.steps
+                evaluate_now = done % train_cfg.eval_every == 0 or done == train_cfg.steps
+                if save or evaluate_now:
+                    jax.block_until_ready(metrics)  # the step's own time stays in its timing
+                if save:
+                    with timer.pause():
+                        checkpointer.save(done, model, optimizer, data_state=data_state, rng=rng)
+                if evaluate_now:
+                    with timer.pause():
+                        eval_loss = evaluate(model, data_dir, train_cfg, seq_len, batch_put)
                     metrics_log.write({"step": done, "eval_loss": eval_loss,
                                        "eval_perplexity": math.exp(min(eval_loss, 50))})
                     if progress is not None:
                         progress.write(f"step {done}: eval loss {eval_loss:.4f}")
             if pending is not None:
-                _record(pending, last_time, tokens_per_step, flops, peak, mesh.size,
-                        metrics_log, progress, train_cfg)
-    except KeyboardInterrupt:
-        interrupted = True
-        done = int(optimizer.step[...])
-        log(f"\ninterrupted: saving a checkpoint at step {done} before exiting")
-        checkpointer.save(done, model, optimizer, data_state=it.get_state(), rng=rng)
+                record(*pending)
+            interrupted = stop.requested and done < train_cfg.steps
+            if interrupted:
+                checkpointer.save(done, model, optimizer, data_state=data_state, rng=rng)
     finally:
         checkpointer.wait()
         metrics_log.close()
         if progress is not None:
             progress.close()
-    if interrupted:
-        raise KeyboardInterrupt
 
-    summary = {"out": str(out), "steps": train_cfg.steps,
+    summary = {"out": str(out), "step": done, "interrupted": interrupted,
                "checkpoint": str(checkpointer.directory / str(checkpointer.latest_step()))}
-    if jax.process_index() == 0:
+    log(f"checkpoint: {summary['checkpoint']}")
+    if is_writer and not interrupted:
         records = read_metrics(out / "metrics.jsonl")
         plot_losses(records, out / "loss.png")
         summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
         summary["eval_loss"] = next(
             (r["eval_loss"] for r in reversed(records) if "eval_loss" in r), None)
-    log(f"checkpoint: {summary['checkpoint']}")
-    if sample:
+    if sample and not interrupted:
         _print_sample(model, meta["tokenizer"], preset, mesh)
     return summary
 
 
-def _record(pending, last_time, tokens_per_step, flops, peak, num_devices, metrics_log,
-            progress, train_cfg) -> float:
-    step, metrics = pending
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    now = time.perf_counter()
-    tokens_per_s = tokens_per_step / max(now - last_time, 1e-9)
-    record = {"step": step + 1, **values, "tokens_per_s": tokens_per_s,
-              "mfu": flops * tokens_per_s / (peak * num_devices)}
-    metrics_log.write(record)
-    if progress is not None:
-        progress.update(1)
-        if (step + 1) % train_cfg.log_every == 0:
-            progress.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                 mfu=f"{record['mfu']:.2f}")
-    return now
+def _drop_records_after(path: Path, step: int) -> None:
+    """On resume, forget metrics of steps after the checkpoint: they will be run again."""
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
 
 
 def _progress_bar(start: int, total: int):
-    if jax.process_index() != 0:
-        return None
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
@@ -281,13 +338,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 (out / "checkpoints").iterdir()):
             raise ConfigError(f"{out} already holds checkpoints: pass --resume to continue it, "
                               f"or choose another --out")
-        train(model_cfg, train_cfg, resume=args.resume)
+        summary = train(model_cfg, train_cfg, resume=args.resume)
     except (ConfigError, sharding.PresetError, CheckpointError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return 130 if summary["interrupted"] else 0
 
 
 if __name__ == "__main__":

@@ -115,10 +115,11 @@ def test_generation_stops_at_end_of_text(model, greedy):
 
 
 def test_streaming_sees_every_token_in_order(model):
-    seen = []
-    tokens = generate_tokens(model, PROMPTS[:1], max_new_tokens=10, temperature=0.0,
-                             on_token=lambda t: seen.append(int(t[0])))
-    assert seen == tokens[0]
+    for prompt in (PROMPTS[0], PROMPTS[2]):  # the second reuses the compilation, new callback
+        seen = []
+        tokens = generate_tokens(model, [prompt], max_new_tokens=10, temperature=0.0,
+                                 on_token=lambda t, seen=seen: seen.append(int(t[0])))
+        assert seen == tokens[0]
 
 
 def test_length_rule_refuses_long_prompts_and_caps_new_tokens(model):

@@ -1,0 +1,170 @@
+"""The trainer: loss falls, exact resume, resume under another preset, Ctrl-C, metrics, CLI."""
+
+import dataclasses
+import json
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from minigpt import generate, steps, train
+from minigpt.config import TrainConfig
+from minigpt.data import resolve_data
+from minigpt.models import get_config
+from minigpt.tokenizer import TokenizerError, load_tokenizer
+
+MODEL = get_config("minigpt-tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_available():
+    try:
+        load_tokenizer()
+    except TokenizerError as e:
+        pytest.skip(f"the trainer tests need the GPT-2 tokenizer: {e}")
+
+
+@pytest.fixture(scope="module")
+def data_dir(stories_file, tmp_path_factory):
+    return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def config(data_dir, tmp_path):
+    """A short run of the tiny model: 8 sequences of 32 tokens a step on 8 devices."""
+    return TrainConfig(preset="fsdp", model="minigpt-tiny", data=(str(data_dir),),
+                       out=str(tmp_path / "run"), steps=6, decay_steps=6, batch_size=8,
+                       seq_len=32, lr=3e-3, warmup_steps=2, eval_every=3, eval_batches=2,
+                       save_every=3, log_every=1)
+
+
+def losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def test_a_run_writes_its_directory_and_honest_metrics(config):
+    summary = train.train(MODEL, config, sample=False)
+    out = config.out and __import__("pathlib").Path(config.out)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "loss.png",
+                                                     "metrics.jsonl"]
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3, 6]
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model"] == dataclasses.asdict(MODEL) and saved["preset"] == "fsdp"
+    assert saved["tokenizer"] == "gpt2"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
+    schedule = steps.lr_schedule(config)
+    for r in train_records:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
+        assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)))
+    assert "tokens_per_s" not in train_records[0]  # the first step includes compilation
+    for r in train_records[1:]:
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    for r in evals:
+        assert r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]))
+    assert summary["eval_loss"] == evals[-1]["eval_loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_loss_falls_on_tinystories(config):
+    cfg = dataclasses.replace(config, steps=40, decay_steps=40, eval_every=40, save_every=40,
+                              warmup_steps=5)
+    train.train(MODEL, cfg, sample=False)
+    seen = losses(__import__("pathlib").Path(cfg.out))
+    assert np.mean(seen[-5:]) < np.mean(seen[:5]) - 2.0
+
+
+def test_resume_continues_exactly(config, tmp_path):
+    train.train(MODEL, config, sample=False)
+    straight = losses(tmp_path / "run")
+    half = dataclasses.replace(config, out=str(tmp_path / "halves"), steps=3)
+    train.train(MODEL, half, sample=False)
+    summary = train.train(MODEL, dataclasses.replace(half, steps=6), resume=True, sample=False)
+    assert summary["step"] == 6
+    assert losses(tmp_path / "halves") == straight  # bitwise: same preset, same machine
+
+
+def test_resume_under_another_preset(config, tmp_path):
+    train.train(MODEL, config, sample=False)
+    straight = losses(tmp_path / "run")
+    half = dataclasses.replace(config, out=str(tmp_path / "moved"), steps=3)
+    train.train(MODEL, half, sample=False)
+    train.train(MODEL, dataclasses.replace(half, steps=6, preset="dp_tp"), resume=True,
+                sample=False)
+    np.testing.assert_allclose(losses(tmp_path / "moved"), straight, rtol=1e-5)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_matches(config, tmp_path, monkeypatch):
+    train.train(MODEL, config, sample=False)
+    straight = losses(tmp_path / "run")
+    calls = []
+    real_step = steps.train_step
+
+    def interrupting_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "train_step", interrupting_step)
+    interrupted = dataclasses.replace(config, out=str(tmp_path / "stopped"))
+    summary = train.train(MODEL, interrupted, sample=False)
+    assert summary["interrupted"] and summary["step"] == 2
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["2"]
+    monkeypatch.setattr(steps, "train_step", real_step)
+    train.train(MODEL, interrupted, resume=True, sample=False)
+    assert losses(tmp_path / "stopped") == straight
+
+
+def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = train.main(["--preset", "dp", "--model", "minigpt-tiny", "--data", str(data_dir),
+                       "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--out", str(out),
+                       "--set", "eval_batches=1", "--set", "warmup_steps=1"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert f"checkpoint: {out.absolute() / 'checkpoints' / '2'}" in printed
+    assert "sample:\nOnce upon a time" in printed
+    assert generate.main(["--run", str(out), "--max-new-tokens", "5", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("Once upon a time")
+    assert generate.main(["--run", str(out), "--max-new-tokens", "5", "--num-samples", "2"]) == 0
+    assert capsys.readouterr().out.count("--- sample") == 2
+
+
+def test_cli_refuses_to_resume_with_another_model(data_dir, tmp_path, capsys, config):
+    train.train(MODEL, dataclasses.replace(config, steps=1), sample=False)
+    before = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    code = train.main(["--out", config.out, "--resume", "--set", "model.mlp_dim=256",
+                       "--set", "num_layers=3"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "mlp_dim: 128 -> 256" in err and "num_layers: 2 -> 3" in err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_cli_refuses_to_overwrite_a_run(config, capsys):
+    train.train(MODEL, dataclasses.replace(config, steps=1), sample=False)
+    assert train.main(["--out", config.out, "--model", "minigpt-tiny"]) == 2
+    assert "pass --resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "zero3"], "unknown preset 'zero3'"),
+    (["--preset", "dp", "--batch-size", "12"], "multiple of 8"),
+    (["--set", "num_heads=7"], "divisible by model.num_heads (7)"),
+    (["--set", "colour=blue"], "unknown field 'colour'"),
+    (["--seq-len", "512"], "exceeds the model's context 128"),
+])
+def test_cli_reports_user_errors_in_one_line(data_dir, tmp_path, capsys, args, message):
+    code = train.main(["--model", "minigpt-tiny", "--data", str(data_dir), "--out",
+                       str(tmp_path / "bad"), "--steps", "1", "--batch-size", "8", *args])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "bad" / "checkpoints").exists()

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import shlex
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import grain.python as pygrain
@@ -30,6 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.report import RESULTS, append_section, table  # noqa: E402
 from minigpt.data import batch_iterator, prepare_text  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
@@ -82,18 +80,6 @@ def measure(batches, seconds: float, pad_id: int | None = None) -> dict[str, flo
             "real_share": real / (count * tokens_per_batch) if pad_id is not None else 1.0}
 
 
-def machine() -> str:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}, {os.cpu_count()} cores{', ' + model if model else ''}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--assets", default=os.environ.get(
@@ -101,7 +87,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--results", default=str(REPO / "bench" / "RESULTS.md"))
+    parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
 
     files = [Path(args.assets) / "tinystories" / name for name in ASSET_FILES]
@@ -110,7 +96,6 @@ def main() -> None:
         sys.exit(f"error: missing TinyStories text {', '.join(missing)}; set --assets or "
                  f"MINIGPT_ASSETS to the offline assets directory")
     total_bytes = sum(f.stat().st_size for f in files)
-    load = os.getloadavg()[0]
 
     tutorial = measure(tutorial_batches(files, args.batch_size, args.seq_len, seed=0),
                        args.seconds, pad_id=0)
@@ -122,41 +107,18 @@ def main() -> None:
                                       batch_size=args.batch_size, seed=0), args.seconds)
     speedup = ours["tokens_per_s"] / tutorial["tokens_per_s"]
 
-    rows = [
-        ("tutorial: encode + pad per story", tutorial),
-        ("minigpt: pre-tokenized windows", ours),
-    ]
-    table = ["| pipeline | tokens/s | real (non-pad) share | batches timed |",
-             "| --- | ---: | ---: | ---: |"]
-    table += [f"| {name} | {r['tokens_per_s']:,.0f} | {r['real_share']:.0%} | {r['batches']} |"
-              for name, r in rows]
-    command = "python bench/bench_loader.py " + shlex.join(sys.argv[1:])
-    section = "\n".join([
-        f"## {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: loader throughput",
-        "",
-        f"- command: `{command.strip()}`",
-        f"- machine: {machine()}; Python {platform.python_version()}; load average "
-        f"{load:.2f} at start (the machine may be shared)",
-        f"- text: {len(files)} files from ../shared/assets/tinystories, {total_bytes:,} bytes; "
+    body = table(["pipeline", "tokens/s", "real (non-pad) share", "batches timed"], [
+        (name, f"{r['tokens_per_s']:,.0f}", f"{r['real_share']:.0%}", r["batches"])
+        for name, r in [("tutorial: encode + pad per story", tutorial),
+                        ("minigpt: pre-tokenized windows", ours)]])
+    append_section("loader throughput", [
+        f"text: {len(files)} files from ../shared/assets/tinystories, {total_bytes:,} bytes; "
         f"batch {args.batch_size} x {args.seq_len} tokens, one process, "
         f"{args.seconds:g} s per pipeline",
-        f"- one-off preparation (tokenize to token files): {prepare_s:.2f} s",
-        "",
-        *table,
-        "",
-        f"**Speed-up: {speedup:,.0f}x** the on-the-fly rate "
-        f"({speedup * tutorial['real_share']:,.0f}x counting only the tutorial's real tokens).",
-        "",
-    ])
-    print(section)
-    results = Path(args.results)
-    if not results.exists():
-        results.write_text(
-            "# Benchmark results\n\nEach section is appended by the script it names, with the "
-            "exact command, the machine and the date.\n\n")
-    with open(results, "a") as f:
-        f.write(section + "\n")
-
+        f"one-off preparation (tokenize to token files): {prepare_s:.2f} s",
+    ], body + ["", f"**Speed-up: {speedup:,.0f}x** the on-the-fly rate "
+                   f"({speedup * tutorial['real_share']:,.0f}x counting only the tutorial's "
+                   f"real tokens)."], results=Path(args.results))
 
 if __name__ == "__main__":
     main()

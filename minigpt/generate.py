@@ -270,7 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from minigpt.tokenizer import TokenizerError
 
     if args.devices:
-        sharding.set_simulated_devices(args.devices)
+        from minigpt.runtime import set_simulated_devices
+
+        set_simulated_devices(args.devices)
     try:
         model, tokenizer, preset, mesh, step = load_for_generation(args.run, args.preset)
         prompts = [args.prompt] * args.num_samples
@@ -296,4 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from minigpt.runtime import relaunch_with_huge_pages
+
+    relaunch_with_huge_pages()
     sys.exit(main())

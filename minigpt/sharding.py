@@ -253,6 +253,16 @@ def batch_sharding(preset: Preset, mesh, ndim: int = 2):
     return jax.sharding.NamedSharding(mesh, jax.P(first, *([None] * (ndim - 1))))
 
 
+def active_batch_shards() -> int:
+    """Into how many pieces the active preset splits the batch (1 outside a preset)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not _active_rules.get():
+        return 1
+    axes = logical_to_spec(("batch",))[0]
+    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in names)
+
+
 def batch_divisor(preset: Preset, mesh) -> int:
     """How many ways the batch dimension is split: global batches must divide by it."""
     return math.prod(mesh.shape[a] for a in preset.mesh_axes_of("batch"))
@@ -267,16 +277,6 @@ def put_batch_fn(preset: Preset, mesh) -> Callable[[dict[str, Any]], dict[str, A
     """A function placing host batches [batch, seq] by the preset's `batch` rule."""
     shard = batch_sharding(preset, mesh)
     return lambda batch: put_batch(batch, shard)
-
-
-def set_simulated_devices(count: int) -> None:
-    """Make JAX see `count` CPU devices; must run before JAX starts its backends."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeError("simulated devices must be set before JAX starts; it already has")
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", count)
 
 
 def describe(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
@@ -310,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="simulate this many CPU devices (default: the devices present)")
     args = parser.parse_args(argv)
     if args.devices:
+        from minigpt.runtime import set_simulated_devices
+
         set_simulated_devices(args.devices)
 
     from minigpt.config import ConfigError, TrainConfig
@@ -362,4 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from minigpt.runtime import relaunch_with_huge_pages
+
+    relaunch_with_huge_pages()
     sys.exit(main())

@@ -41,6 +41,7 @@ from minigpt.config import (
 )
 from minigpt.metrics import MetricsLog, device_peak, flops_per_token, plot_losses, read_metrics
 from minigpt.models import build_model, get_config
+from minigpt.runtime import relaunch_with_huge_pages, set_simulated_devices
 
 
 def log(*args: Any) -> None:
@@ -327,7 +328,7 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.devices:
-        sharding.set_simulated_devices(args.devices)
+        set_simulated_devices(args.devices)
     from minigpt.data import DataError
     from minigpt.tokenizer import TokenizerError
 
@@ -346,5 +347,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    relaunch_with_huge_pages()
     with contextlib.suppress(BrokenPipeError):
         sys.exit(main())

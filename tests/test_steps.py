@@ -57,16 +57,20 @@ def test_one_step_is_the_same_under_every_preset(name, reference):
     assert float(metrics["grad_norm"]) == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
     assert float(metrics["lr"]) == pytest.approx(TRAIN.lr / TRAIN.warmup_steps)
     params = params_of(model)
-    # Adam's first step moves every weight by about lr * sign(grad); where a gradient is ~1e-9 its
-    # sign is float noise, so allow 1% of a step beside the relative tolerance.
+    # Adam's first step moves a weight by lr * g / (|g| + eps). Where |g| >> eps that is a full
+    # step, lr * sign(g), and presets must agree to float32 precision. Where |g| is within a
+    # few eps of zero (a dead ReLU unit, a key bias, which gets no gradient at all) the step is
+    # g / eps times float noise, so there the presets need only agree to a tenth of a step.
     step = ref_metrics["lr"]
     for key, value in params.items():
-        np.testing.assert_allclose(value, ref_params[key], rtol=1e-5, atol=0.01 * step,
-                                   err_msg=key)
+        full_step = np.abs(ref_params[key] - before[key]) > 0.9 * step
+        np.testing.assert_allclose(value[full_step], ref_params[key][full_step], rtol=1e-5,
+                                   atol=1e-3 * step, err_msg=key)
+        np.testing.assert_allclose(value, ref_params[key], rtol=0, atol=0.1 * step, err_msg=key)
     # The comparison means something only if the step moved the weights: all but the token
     # table (whose unseen rows get no gradient) move by about a full step.
     dense = [k for k in before if "tokens" not in k]
-    moved = sum(int(np.sum(np.abs(ref_params[k] - before[k]) > 0.5 * step)) for k in dense)
+    moved = sum(int(np.sum(np.abs(ref_params[k] - before[k]) > 0.9 * step)) for k in dense)
     assert moved > 0.9 * sum(before[k].size for k in dense)
 
 
@@ -127,3 +131,46 @@ def test_eval_step_is_deterministic_and_matches_the_loss():
     a, b = float(steps.eval_step(model, batch)), float(steps.eval_step(model, batch))
     assert a == b == pytest.approx(float(steps.loss_fn(model, batch)), rel=1e-6)
     assert a == pytest.approx(np.log(TINY.vocab_size), rel=0.05)
+
+
+def test_rematerialisation_changes_memory_not_numbers():
+    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
+    results = []
+    for remat in (False, True):
+        model, optimizer = build(dataclasses.replace(TINY, remat=remat))
+        metrics = steps.train_step(model, optimizer, batch, jax.random.key(0))
+        results.append((float(metrics["loss"]), params_of(model)))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    for key, value in results[0][1].items():
+        np.testing.assert_allclose(results[1][1][key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_close_loss():
+    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        model, optimizer = build(dataclasses.replace(TINY, dtype=dtype, dropout=0.0))
+        losses[dtype] = float(steps.train_step(model, optimizer, batch, jax.random.key(0))["loss"])
+        assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(nnx.state(optimizer))
+                   if jnp.issubdtype(v.dtype, jnp.floating))
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=1e-2)
+    assert losses["bfloat16"] != losses["float32"]  # bf16 really was used
+
+
+@pytest.mark.parametrize("batch, seq", [(4, 32), (3, 7)])
+def test_fused_loss_equals_plain_cross_entropy_and_its_gradients(batch, seq):
+    model = build_model(dataclasses.replace(TINY, dropout=0.0), rngs=nnx.Rngs(1))
+    data = {k: jnp.asarray(v) for k, v in random_batch(batch=batch, seq=seq, seed=5).items()}
+
+    def plain(model, batch):
+        return steps.cross_entropy(model(batch["inputs"]), batch["targets"])
+
+    loss, grads = nnx.value_and_grad(plain)(model, data)
+    fused_loss, fused_grads = nnx.value_and_grad(steps.loss_fn)(model, data)
+    assert float(fused_loss) == pytest.approx(float(loss), rel=1e-6)
+    for (path, g), (_, f) in zip(jax.tree_util.tree_leaves_with_path(nnx.state(grads)),
+                                 jax.tree_util.tree_leaves_with_path(nnx.state(fused_grads))):
+        np.testing.assert_allclose(np.asarray(f), np.asarray(g), rtol=1e-4,
+                                   atol=1e-6 * float(jnp.max(jnp.abs(g))) + 1e-9,
+                                   err_msg=jax.tree_util.keystr(path))

@@ -126,8 +126,11 @@ def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
     out = tmp_path / "cli"
     code = train.main(["--preset", "dp", "--model", "minigpt-tiny", "--data", str(data_dir),
                        "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--out", str(out),
-                       "--set", "eval_batches=1", "--set", "warmup_steps=1"])
+                       "--set", "eval_batches=1", "--set", "warmup_steps=1", "--set",
+                       "keep_checkpoints=1", "--save-every", "1", "--profile-steps", "0:1"])
     assert code == 0
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["2"]  # keeps the last one
+    assert list((out / "profile").rglob("*.xplane.pb"))
     printed = capsys.readouterr().out
     assert f"checkpoint: {out.absolute() / 'checkpoints' / '2'}" in printed
     assert "sample:\nOnce upon a time" in printed

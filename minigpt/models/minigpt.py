@@ -53,7 +53,9 @@ class MiniGPT(DecoderLM):
         self.positions = Embedding(cfg.context_len, cfg.embed_dim, (None, "embed"),
                                    init=embed_init, dtype=cfg.dtype, rngs=rngs)
         self.blocks = BlockStack(lambda r: TransformerBlock(cfg, rngs=r), cfg, rngs=rngs)
-        self.output = Dense("BTD,DV->BTV", (cfg.embed_dim, cfg.padded_vocab), ("embed", "vocab"),
+        # [V, D] like an embedding table: the faster layout for the matmuls of the fused loss,
+        # which applies the head to [rows, D] chunks as well as to [B, T, D].
+        self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"),
                             init=xavier, use_bias=True, dtype=cfg.dtype, rngs=rngs)
 
     def embed(self, tokens, positions):

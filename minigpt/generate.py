@@ -69,13 +69,16 @@ def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Ar
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     out = jnp.full((B, max_new), eot_id, jnp.int32)
     done = jnp.zeros((B,), bool)
+    # The loop body is a trace of its own, which NNX modules must not cross: the weights ride
+    # along in the loop state and the body rebuilds the model from them.
+    graphdef, weights = nnx.split(model)
 
     def keep_going(state):
-        i, _, _, _, done = state
+        i, _, _, _, done, _ = state
         return (i < max_new) & ~jnp.all(done)
 
     def step(state):
-        i, last, cache, out, done = state
+        i, last, cache, out, done, weights = state
         token = sample_logits(last, jax.random.fold_in(rng, i), temperature=temperature,
                               top_k=top_k, top_p=top_p)
         token = jnp.where(done, eot_id, token)
@@ -85,10 +88,12 @@ def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Ar
             # tokens back in order should they ever arrive out of it.
             jax.debug.callback(_stream, i, token)
         done = done | (token == eot_id)
-        logits, cache = model.decode(token[:, None], (lengths + i)[:, None], cache)
-        return i + 1, logits[:, 0], cache, out, done
+        logits, cache = nnx.merge(graphdef, weights).decode(token[:, None],
+                                                            (lengths + i)[:, None], cache)
+        return i + 1, logits[:, 0], cache, out, done, weights
 
-    _, _, _, out, _ = jax.lax.while_loop(keep_going, step, (0, last, cache, out, done))
+    _, _, _, out, _, _ = jax.lax.while_loop(keep_going, step,
+                                            (0, last, cache, out, done, weights))
     return out
 
 
@@ -131,8 +136,17 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
                       cache_len=min(context, padded + max_new), temperature=float(temperature),
                       top_k=int(top_k), top_p=float(top_p), eot_id=eot,
                       stream=on_token is not None)
-        rows = np.asarray(out).tolist()
+        rows = _to_host(out).tolist()
     return [row[:row.index(eot)] if eot in row else row for row in rows]
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """The whole array on this host, also when other processes of a multi-process job hold parts."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 class _StreamRouter:

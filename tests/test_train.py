@@ -171,3 +171,22 @@ def test_cli_reports_user_errors_in_one_line(data_dir, tmp_path, capsys, args, m
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("name, scan", [("gpt2-tiny", False), ("llama-tiny", True)])
+def test_every_architecture_trains_resumes_and_tells_stories(config, tmp_path, name, scan):
+    model = dataclasses.replace(get_config(name), scan_layers=scan)
+    first = dataclasses.replace(config, model=name, preset="fsdp_tp", steps=2, decay_steps=4,
+                                eval_every=2, save_every=2)
+    train.train(model, first, sample=False)
+    summary = train.train(model, dataclasses.replace(first, preset="dp", steps=4), resume=True,
+                          sample=False)
+    assert summary["step"] == 4 and len(losses(tmp_path / "run")) == 4
+    restored, tokenizer, preset, mesh, step = generate.load_for_generation(tmp_path / "run")
+    assert step == 4 and restored.config == model
+    from minigpt import sharding
+
+    with sharding.use_preset(preset, mesh):
+        story = generate.generate(restored, tokenizer, ["Once upon a time"], max_new_tokens=5,
+                                  temperature=0.0)[0]
+    assert story.startswith("Once upon a time") and len(story) > len("Once upon a time")

@@ -2,7 +2,8 @@
 
 `get_config("minigpt")` returns a frozen `ModelConfig`; `build_model(config, rngs=...)` builds the
 NNX module its `arch` names. Adding an architecture means one file in this package and one line in
-`ARCHITECTURES`; adding a size means one entry in `CONFIGS`.
+`ARCHITECTURES`; adding a size means one entry in `CONFIGS`. `python -m minigpt.models` lists the
+zoo with parameter counts.
 """
 
 from __future__ import annotations
@@ -12,19 +13,38 @@ from collections.abc import Callable
 from flax import nnx
 
 from minigpt.config import ConfigError, ModelConfig
+from minigpt.models.gpt2 import GPT2
 from minigpt.models.layers import DecoderLM, count_params
+from minigpt.models.llama import Llama
 from minigpt.models.minigpt import MiniGPT
 
 ARCHITECTURES: dict[str, Callable[..., DecoderLM]] = {
     "minigpt": MiniGPT,
+    "gpt2": GPT2,
+    "llama": Llama,
 }
 
+_GPT2 = dict(arch="gpt2", norm_eps=1e-5, dropout=0.0)
+_LLAMA = dict(arch="llama", norm_eps=1e-5, dropout=0.0)
+
+# The "-tiny" sizes are for tests on CPU: every dimension a preset may split divides by 8.
 CONFIGS: dict[str, ModelConfig] = {
     # The tutorial's model: vocab 50257, context 256, 8 blocks of width 256 with 8 heads.
     "minigpt": ModelConfig(arch="minigpt"),
-    # Small enough for tests on CPU; every dimension a preset may split divides by 8.
     "minigpt-tiny": ModelConfig(arch="minigpt", context_len=128, embed_dim=64, num_heads=8,
                                 mlp_dim=128, num_layers=2),
+    # GPT-2's 124M shape (12 layers, 12 heads, width 768, context 1024).
+    "gpt2-small": ModelConfig(**_GPT2, context_len=1024, embed_dim=768, num_heads=12,
+                              mlp_dim=3072, num_layers=12),
+    "gpt2-mini": ModelConfig(**_GPT2, context_len=256, embed_dim=256, num_heads=8,
+                             mlp_dim=1024, num_layers=4),
+    "gpt2-tiny": ModelConfig(**_GPT2, context_len=128, embed_dim=64, num_heads=8,
+                             mlp_dim=256, num_layers=2),
+    # About 15M parameters, most of them in the two 50304 x 128 vocabulary tables.
+    "llama-15m": ModelConfig(**_LLAMA, context_len=256, embed_dim=128, num_heads=8,
+                             num_kv_heads=4, mlp_dim=384, num_layers=8),
+    "llama-tiny": ModelConfig(**_LLAMA, context_len=128, embed_dim=128, num_heads=16,
+                              num_kv_heads=8, mlp_dim=256, num_layers=2),
 }
 
 

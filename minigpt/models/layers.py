@@ -167,7 +167,8 @@ class Embedding(nnx.Module):
         return jnp.take(self.table[...], ids, axis=0).astype(self.dtype)  # [B, T, D]
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.table[...].astype(self.dtype))
+        return jnp.einsum("...D,VD->...V", x.astype(self.dtype),
+                          self.table[...].astype(self.dtype))
 
 
 class LayerNorm(nnx.Module):
@@ -303,40 +304,71 @@ def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
 class BlockStack(nnx.Module):
     """The transformer blocks, applied in order, with optional rematerialisation.
 
-    A block is called as `block(x, positions, kv, key) -> (x, kv)`. The cache is one (k, v)
-    pair per layer; the stack owns how it is laid out, so callers treat it as opaque.
+    A block is called as `block(x, positions, kv, key) -> (x, kv)`. With `scan_layers` the
+    blocks are one stacked module (every parameter gains a leading "layers" axis) applied by
+    `nnx.scan`, so the compiled program holds one block however deep the model is; otherwise
+    they are a list unrolled into the program. The stack owns the layout of the key/value
+    cache, so callers treat the cache as opaque.
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], cfg: ModelConfig, *,
                  rngs: nnx.Rngs):
-        self.layers = nnx.List([make_block(rngs) for _ in range(cfg.num_layers)])
-        self.remat = cfg.remat
+        self.remat, self.scan, self.num_layers = cfg.remat, cfg.scan_layers, cfg.num_layers
+        if self.scan:
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked(rngs):
+                return make_block(rngs)
+
+            self.layers = stacked(rngs)
+        else:
+            self.layers = nnx.List([make_block(rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache, key: jax.Array | None):
+        def apply(block, x, kv, layer_key):
+            x, kv = block(x, positions, kv, layer_key)
+            return constrain(x, ACTIVATION_AXES), kv
+
+        if self.remat:
+            apply = nnx.remat(apply)
+        # Layer i's dropout key is fold_in(key, i) in both layouts, so they compute the same.
+        keys = (None if key is None else
+                jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(self.num_layers)))
+        if self.scan:
+            scan = nnx.scan(apply, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
+                            transform_metadata={nnx.PARTITION_NAME: "layers"})
+            return scan(self.layers, x, cache, keys)
         new_cache = []
         for i, block in enumerate(self.layers):
-            layer_key = None if key is None else jax.random.fold_in(key, i)
-            kv = None if cache is None else cache[i]
-            if self.remat:
-                x, kv = nnx.remat(lambda b, *args: b(*args))(block, x, positions, kv, layer_key)
-            else:
-                x, kv = block(x, positions, kv, layer_key)
-            x = constrain(x, ACTIVATION_AXES)
+            x, kv = apply(block, x, None if cache is None else cache[i],
+                          None if keys is None else keys[i])
             new_cache.append(kv)
         return x, (None if cache is None else tuple(new_cache))
+
+    def init_cache(self, shape: tuple[int, ...], dtype) -> tuple | list:
+        """Zeros for keys and values of shape [B, S, K, H] in every layer."""
+        axes = ("batch", None, "kv_heads", "kv")
+        if self.scan:
+            stacked = (self.num_layers, *shape)
+            return tuple(constrain(jnp.zeros(stacked, dtype), ("layers", *axes))
+                         for _ in range(2))
+        return tuple(tuple(constrain(jnp.zeros(shape, dtype), axes) for _ in range(2))
+                     for _ in range(self.num_layers))
 
 
 class DecoderLM(nnx.Module):
     """What every model in the zoo shares: token ids in, next-token logits out.
 
-    Subclasses build `self.blocks` (a BlockStack) and define `embed` (ids and positions to
-    [B, T, D]) and `head` ([B, T, D] to [B, T, V]).
+    Subclasses build `self.blocks` (a BlockStack) and define `embed` (ids and positions, and a
+    dropout key or None, to [B, T, D]) and `head` (final norm and projection, [..., D] to
+    [..., V]).
     """
 
     config: ModelConfig
     blocks: BlockStack
 
-    def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    def embed(self, tokens: jax.Array, positions: jax.Array,
+              key: jax.Array | None = None) -> jax.Array:
         raise NotImplementedError
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -375,15 +407,12 @@ class DecoderLM(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=jnp.float32):
         """An empty cache for `batch` rows of at most `length` positions."""
         cfg = self.config
-        shape = (batch, length, cfg.kv_heads, cfg.head_dim)  # [B, S, K, H]
-        axes = ("batch", None, "kv_heads", "kv")
-
-        def empty():
-            return constrain(jnp.zeros(shape, dtype), axes)
-        return tuple((empty(), empty()) for _ in range(cfg.num_layers))
+        return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype)
 
     def _blocks(self, tokens, positions, cache, key):
-        x = constrain(self.embed(tokens, positions), ACTIVATION_AXES)  # [B, T, D]
+        # The embedding's dropout key is the one after the layers' keys 0..L-1.
+        embed_key = None if key is None else jax.random.fold_in(key, self.config.num_layers)
+        x = constrain(self.embed(tokens, positions, embed_key), ACTIVATION_AXES)  # [B, T, D]
         return self.blocks(x, positions, cache, key)
 
 

@@ -58,7 +58,8 @@ class MiniGPT(DecoderLM):
         self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"),
                             init=xavier, use_bias=True, dtype=cfg.dtype, rngs=rngs)
 
-    def embed(self, tokens, positions):
+    def embed(self, tokens, positions, key=None):
+        # The tutorial applies no dropout to the embeddings.
         return self.tokens(tokens) + self.positions(positions)  # [B, T, D]
 
     def head(self, x):

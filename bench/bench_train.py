@@ -1,0 +1,166 @@
+"""Train-step benchmark: throughput, MFU, compile time and memory, per preset and by shape.
+
+Every figure is measured against this machine in the same process: MFU here is achieved model
+FLOP/s over the float32 matmul FLOP/s JAX reaches on the same machine (best of several 2048^3
+matmuls, measured before and after the timed steps). Each configuration runs in its own process,
+because the number of simulated devices is fixed when JAX starts.
+
+    python bench/bench_train.py                 # everything (about 15 minutes on 2 cores)
+    python bench/bench_train.py --only presets  # or: context, depth
+
+Sections: the `minigpt` model at the tutorial's shape (batch 32 x 256 tokens) on 1 device and
+under every preset on 8 simulated CPU devices (same global batch); then step time as the context
+grows (128..1024 at 8,192 tokens per step) and as the model deepens (2..16 layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def worker(spec: dict) -> dict:
+    """Time one configuration; runs in a fresh process with the device count already set."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from minigpt import sharding, steps
+    from minigpt.config import TrainConfig
+    from minigpt.metrics import flops_per_token, measure_matmul_peak
+    from minigpt.models import build_model, get_config
+
+    cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
+    train_cfg = TrainConfig(batch_size=spec["batch"])
+    B, T = spec["batch"], cfg.context_len
+    peak = measure_matmul_peak(repeats=10)
+
+    def build():
+        model = build_model(cfg, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, steps.make_optimizer(train_cfg), wrt=nnx.Param)
+
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    preset = sharding.load_preset(spec["preset"])
+    mesh = sharding.make_mesh(preset)
+    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    rows = sharding.describe(preset, mesh, nnx.state(model, nnx.Param))
+    rows += sharding.describe(preset, mesh, nnx.state(optimizer))
+    state_bytes = sum(r["bytes_per_device"] for r in rows)
+    rng = jax.random.key(0)
+    with sharding.use_preset(preset, mesh):
+        batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
+        start = time.perf_counter()
+        compiled = steps.train_step.lower(model, optimizer, batch, rng).compile()
+        compile_s = time.perf_counter() - start
+        memory = compiled.memory_analysis()
+        jax.block_until_ready(steps.train_step(model, optimizer, batch, rng))
+        times = []
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            jax.block_until_ready(steps.train_step(model, optimizer, batch, rng))
+            times.append(time.perf_counter() - start)
+    peak = max(peak, measure_matmul_peak(repeats=10))
+    step_s = min(times)
+    flops = flops_per_token(cfg, T) * B * T
+    peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                  - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    return {"step_s": step_s, "compile_s": compile_s, "tokens_per_s": B * T / step_s,
+            "achieved": flops / step_s, "peak": peak, "mfu": flops / step_s / peak,
+            "peak_bytes": peak_bytes, "state_bytes": state_bytes, "devices": mesh.size,
+            "context": T,
+            "device_kind": jax.devices()[0].device_kind}
+
+
+def run(spec: dict) -> dict:
+    env = {**os.environ, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES",
+                                                          "glibc.malloc.hugetlb=1"),
+           "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={spec['devices']}"}
+    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        sys.exit(f"worker failed for {spec}:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"  {spec['label']}: {result['step_s']:.3f} s/step, MFU {result['mfu']:.3f}, "
+          f"compile {result['compile_s']:.1f} s", flush=True)
+    return result
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def main() -> None:
+    from bench.report import append_section, table
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["presets", "context", "depth"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+
+    base = {"model": "minigpt", "batch": 32, "repeats": args.repeats}
+    if args.only in (None, "presets"):
+        from minigpt.sharding import available_presets
+
+        specs = [{**base, "label": "1 device", "preset": "dp", "devices": 1}]
+        specs += [{**base, "label": name, "preset": name, "devices": 8}
+                  for name in available_presets()]
+        results = [run(s) for s in specs]
+        one = results[0]
+        body = table(
+            ["configuration", "devices", "step (s)", "vs 1 device", "tokens/s",
+             "achieved GFLOP/s", "MFU", "compile (s)", "peak memory/device (MiB)",
+             "params + optimizer/device (MiB)"],
+            [(s["label"], r["devices"], f"{r['step_s']:.3f}", f"{r['step_s'] / one['step_s']:.2f}x",
+              f"{r['tokens_per_s']:,.0f}", f"{r['achieved'] / 1e9:,.0f}", f"{r['mfu']:.3f}",
+              f"{r['compile_s']:.1f}", mib(r["peak_bytes"]), mib(r["state_bytes"]))
+             for s, r in zip(specs, results)])
+        append_section("train step, minigpt at the tutorial's shape", [
+            "model `minigpt` (8 layers, width 256, 8 heads, feed-forward 256, vocabulary 50257 "
+            "padded to 50304), batch 32 x 256 tokens, AdamW, dropout 0.1, float32",
+            f"MFU = model FLOPs (6N + 12LDT per token) x tokens/s / the float32 matmul peak "
+            f"measured in the same process ({one['peak'] / 1e9:,.0f} GFLOP/s for the 1-device "
+            f"run); the 8 simulated devices share the same 2 cores, so their MFU is against the "
+            f"same machine peak",
+            f"best of {args.repeats} steps after one warm-up step; compile = lowering and "
+            f"compiling the first step; peak memory from the compiled step's memory analysis",
+        ], body)
+
+    scaling = []
+    if args.only in (None, "context"):
+        scaling += [{**base, "label": f"context {t}", "preset": "dp", "devices": 1,
+                     "batch": 8192 // t, "overrides": {"context_len": t}}
+                    for t in (128, 256, 512, 1024)]
+    if args.only in (None, "depth"):
+        scaling += [{**base, "label": f"{n} layers", "preset": "dp", "devices": 1,
+                     "overrides": {"num_layers": n}} for n in (2, 4, 8, 16)]
+    if scaling:
+        results = [run(s) for s in scaling]
+        body = table(["configuration", "batch x context", "step (s)", "tokens/s", "MFU",
+                      "compile (s)", "peak memory (MiB)"],
+                     [(s["label"], f"{s['batch']} x {r['context']}",
+                       f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.3f}",
+                       f"{r['compile_s']:.1f}", mib(r["peak_bytes"]))
+                      for s, r in zip(scaling, results)])
+        append_section("train step scaling, minigpt on 1 device", [
+            "context: 8,192 tokens per step at every length (batch = 8192 / context); depth: "
+            "batch 32 x 256 with 2 to 16 layers; other settings as the tutorial's shape",
+        ], body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Llama: the decoder of Touvron et al. (2023) at small scale.
+
+RMSNorm before each sublayer, rotary position embeddings on queries and keys (no learned
+positions), grouped-query attention (several query heads share one key/value head, which
+shrinks the KV cache), a SwiGLU feed-forward (silu(x W_gate) * x W_up, then W_down), no biases,
+a final RMSNorm and an untied output head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from flax import nnx
+
+from minigpt.config import ModelConfig
+from minigpt.models.layers import (
+    Attention,
+    BlockStack,
+    DecoderLM,
+    Dense,
+    Embedding,
+    RMSNorm,
+    dropout,
+)
+
+normal = nnx.initializers.normal(0.02)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, out_init, rngs: nnx.Rngs):
+        D, F = cfg.embed_dim, cfg.mlp_dim
+        common = dict(use_bias=False, dtype=cfg.dtype, rngs=rngs)
+        self.gate = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
+        self.up = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
+        self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))  # [B, T, D]
+
+
+class TransformerBlock(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        residual = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
+        self.norm1 = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.attention = Attention(cfg, use_bias=False, rope=True, init=normal,
+                                   out_init=residual, rngs=rngs)
+        self.norm2 = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
+        self.rate = cfg.dropout
+
+    def __call__(self, x, positions, kv, key):
+        keys = (None, None) if key is None else jax.random.split(key)
+        y, kv = self.attention(self.norm1(x), positions, kv)
+        x = x + dropout(y, self.rate, keys[0])
+        x = x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1])
+        return x, kv
+
+
+class Llama(DecoderLM):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.tokens = Embedding(cfg.padded_vocab, cfg.embed_dim, ("vocab", "embed"),
+                                init=normal, dtype=cfg.dtype, rngs=rngs)
+        self.blocks = BlockStack(lambda r: TransformerBlock(cfg, rngs=r), cfg, rngs=rngs)
+        self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim),
+                            ("vocab", "embed"), init=normal, use_bias=False, dtype=cfg.dtype,
+                            rngs=rngs)
+
+    def embed(self, tokens, positions, key=None):
+        return self.tokens(tokens)  # [B, T, D]; positions enter through the rotary embedding
+
+    def head(self, x):
+        return self.output(self.final_norm(x))  # [..., V]

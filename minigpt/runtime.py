@@ -2,6 +2,8 @@
 
 - `set_simulated_devices(n)`: make JAX see n CPU devices, so every preset can be tried on a
   laptop (`--devices 8`).
+- `join_job(...)`: join a multi-process JAX job (several hosts, or several processes on one
+  machine), before anything else touches the devices.
 - `relaunch_with_huge_pages()`: on Linux with glibc, restart the process once with
   `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. XLA's CPU backend allocates every large temporary
   buffer afresh on each step; with ordinary 4 KiB pages the kernel then spends much of the step
@@ -29,6 +31,18 @@ def set_simulated_devices(count: int) -> None:
         raise RuntimeError("simulated devices must be set before JAX starts; it already has")
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", count)
+
+
+def join_job(coordinator: str | None = None, num_processes: int | None = None,
+             process_id: int | None = None) -> None:
+    """Join a multi-process job: `jax.distributed.initialize` with what is given, the rest read
+    from the environment (JAX_COORDINATOR_ADDRESS, or what SLURM, Open MPI, Cloud TPU and
+    Kubernetes set). On CPU the processes exchange data through gloo, so processes on one
+    machine (or several) form one mesh."""
+    if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
 
 
 def relaunch_with_huge_pages() -> None:

@@ -41,7 +41,7 @@ from minigpt.config import (
 )
 from minigpt.metrics import MetricsLog, device_peak, flops_per_token, plot_losses, read_metrics
 from minigpt.models import build_model, get_config
-from minigpt.runtime import relaunch_with_huge_pages, set_simulated_devices
+from minigpt.runtime import join_job, relaunch_with_huge_pages, set_simulated_devices
 
 
 def log(*args: Any) -> None:
@@ -105,6 +105,13 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
+class _NoInterrupts(contextlib.nullcontext):
+    requested = False
+
+    def __enter__(self):
+        return self
+
+
 class _StepTimer:
     """Wall time per step, leaving out the first step (compilation) and eval/checkpoint pauses."""
 
@@ -128,7 +135,7 @@ class _StepTimer:
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = False,
           sample: bool = True) -> dict[str, Any]:
     """Train (or continue training) a model; returns a summary of the run."""
-    from minigpt.data import batch_iterator, load_meta, resolve_data
+    from minigpt.data import batch_iterator, load_meta
 
     out = Path(train_cfg.out)
     seq_len = train_cfg.seq_len or model_cfg.context_len
@@ -138,7 +145,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
     preset = sharding.load_preset(train_cfg.preset)
     mesh = sharding.make_mesh(preset)
     check_batch(train_cfg, preset, mesh)
-    data_dir = resolve_data(train_cfg.data, train_cfg.data_root)
+    data_dir = _prepare_data(train_cfg)
     meta = load_meta(data_dir)
 
     model, optimizer = init_state(model_cfg, train_cfg, preset, mesh)
@@ -189,7 +196,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
 
     pending, done, data_state = None, start, it.get_state()
     try:
-        with sharding.use_preset(preset, mesh), _StopOnInterrupt() as stop:
+        # In a multi-process job all processes must stop at the same step to save together;
+        # there Ctrl-C (or the launcher) stops them all and --resume uses the last checkpoint.
+        interrupts = _StopOnInterrupt() if jax.process_count() == 1 else _NoInterrupts()
+        with sharding.use_preset(preset, mesh), interrupts as stop:
             for step in range(start, train_cfg.steps):
                 if stop.requested:
                     break
@@ -243,6 +253,21 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
     return summary
 
 
+def _prepare_data(train_cfg: TrainConfig) -> Path:
+    """Download and tokenize on first use. In a multi-process job process 0 goes first and the
+    others wait, then reuse its files (shared file system) or prepare their own copy."""
+    from minigpt.data import resolve_data
+
+    if jax.process_count() == 1:
+        return resolve_data(train_cfg.data, train_cfg.data_root)
+    from jax.experimental import multihost_utils
+
+    data_dir = resolve_data(train_cfg.data, train_cfg.data_root) if jax.process_index() == 0 \
+        else None
+    multihost_utils.sync_global_devices("minigpt: data prepared by process 0")
+    return data_dir or resolve_data(train_cfg.data, train_cfg.data_root)
+
+
 def _drop_records_after(path: Path, step: int) -> None:
     """On resume, forget metrics of steps after the checkpoint: they will be run again."""
     if not path.exists():
@@ -286,7 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulate this many CPU devices (try any preset on a laptop)")
     p.add_argument("--eval-every", type=int)
     p.add_argument("--save-every", type=int)
+    p.add_argument("--no-sample", action="store_true",
+                   help="do not tell a sample story at the end")
     p.add_argument("--profile-steps", help="'a:b': write a profiler trace of steps a..b-1")
+    job = p.add_argument_group("multi-process jobs (see python -m minigpt.launch to try one "
+                               "on this machine)")
+    job.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="address of process 0's coordinator; joins a multi-process job")
+    job.add_argument("--num-processes", type=int, help="processes in the job")
+    job.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
+    job.add_argument("--distributed", action="store_true",
+                     help="join the job the cluster environment describes (SLURM, Open MPI, "
+                          "Cloud TPU, Kubernetes, JAX_COORDINATOR_ADDRESS)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set model.dropout=0 --set lr=3e-4")
     return p
@@ -329,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.devices:
         set_simulated_devices(args.devices)
+    if args.distributed or any(v is not None for v in (
+            args.coordinator, args.num_processes, args.process_id)):
+        join_job(args.coordinator, args.num_processes, args.process_id)
     from minigpt.data import DataError
     from minigpt.tokenizer import TokenizerError
 
@@ -339,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 (out / "checkpoints").iterdir()):
             raise ConfigError(f"{out} already holds checkpoints: pass --resume to continue it, "
                               f"or choose another --out")
-        summary = train(model_cfg, train_cfg, resume=args.resume)
+        summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample)
     except (ConfigError, sharding.PresetError, CheckpointError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,12 +10,21 @@ need TinyStories text use a small synthetic fixture, and tiktoken downloads its 
 """
 
 import os
+import tempfile
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# One compilation cache for the whole session, shared with the processes tests start (CLI runs,
+# multi-process jobs, notebooks): tests that compile the same step reuse it instead of compiling
+# again. It lives in a fresh temporary folder, so nothing carries over between sessions.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="minigpt-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = Path(os.environ.get("MINIGPT_ASSETS", REPO.parent / "shared" / "assets")).resolve()

@@ -6,11 +6,12 @@ matmuls, measured before and after the timed steps). Each configuration runs in 
 because the number of simulated devices is fixed when JAX starts.
 
     python bench/bench_train.py                 # everything (about 15 minutes on 2 cores)
-    python bench/bench_train.py --only presets  # or: context, depth
+    python bench/bench_train.py --only presets  # or: context, depth, scan
 
 Sections: the `minigpt` model at the tutorial's shape (batch 32 x 256 tokens) on 1 device and
 under every preset on 8 simulated CPU devices (same global batch); then step time as the context
-grows (128..1024 at 8,192 tokens per step) and as the model deepens (2..16 layers).
+grows (128..1024 at 8,192 tokens per step) and as the model deepens (2..16 layers); last, the
+compile time of unrolled layers against `nnx.scan` over layers (4..32 layers).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--only", choices=["presets", "context", "depth"])
+    parser.add_argument("--only", choices=["presets", "context", "depth", "scan"])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
     args = parser.parse_args()
     if args.worker:
@@ -159,6 +160,25 @@ def main() -> None:
         append_section("train step scaling, minigpt on 1 device", [
             "context: 8,192 tokens per step at every length (batch = 8192 / context); depth: "
             "batch 32 x 256 with 2 to 16 layers; other settings as the tutorial's shape",
+        ], body)
+
+    if args.only in (None, "scan"):
+        depths = (4, 8, 16, 32)
+        specs = [{**base, "batch": 8, "repeats": 1, "preset": "dp", "devices": 1,
+                  "label": f"{n} layers, {'scan' if scan else 'unrolled'}",
+                  "overrides": {"num_layers": n, "scan_layers": scan}}
+                 for n in depths for scan in (False, True)]
+        results = [run(s) for s in specs]
+        rows = []
+        for i, n in enumerate(depths):
+            unrolled, scanned = results[2 * i], results[2 * i + 1]
+            rows.append((n, f"{unrolled['compile_s']:.1f}", f"{scanned['compile_s']:.1f}",
+                         f"{unrolled['step_s']:.3f}", f"{scanned['step_s']:.3f}"))
+        body = table(["layers", "compile unrolled (s)", "compile scan (s)", "step unrolled (s)",
+                      "step scan (s)"], rows)
+        append_section("compile time: unrolled layers vs nnx.scan, minigpt on 1 device", [
+            "minigpt's shape with 4 to 32 layers, batch 8 x 256; compile = lowering and "
+            "compiling the first train step; step = one timed step after a warm-up step",
         ], body)
 
 

@@ -1,0 +1,55 @@
+"""The notebooks run top to bottom (with MINIGPT_SMALL=1) and say what their prose promises."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
+
+# Text each notebook's outputs must contain: the checks its prose relies on.
+EXPECTED = {
+    "01_train_minigpt.ipynb": ["8 devices", "checkpoint:", "sample:", "restored step 20"],
+    "02_parallelism_presets.ipynb": ["largest relative difference fsdp vs dp",
+                                     "'all-gather'", "parameters:"],
+    "03_generation.ipynb": ["same tokens: True", "same seed, same story: True",
+                            "another seed, another story: True", "refused:"],
+}
+
+
+def test_the_three_walkthroughs_are_there():
+    assert NOTEBOOKS == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_each_notebook_opens_in_colab_and_installs_itself(name):
+    cells = json.loads((NOTEBOOK_DIR / name).read_text())["cells"]
+    assert "colab.research.google.com/github/" in "".join(cells[0]["source"])
+    assert f"notebooks/{name}" in "".join(cells[0]["source"])
+    install = "".join(cells[2]["source"])
+    assert "git" in install and "pip" in install and cells[2]["cell_type"] == "code"
+    prose = [c for c in cells if c["cell_type"] == "markdown"]
+    assert len(prose) >= 5  # a walkthrough explains between its cells
+    assert all(c.get("outputs") for c in cells if c["cell_type"] == "code"
+               and "print(" in "".join(c["source"])), "saved outputs from a real run"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_top_to_bottom(name, tmp_path, stories_file, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("MINIGPT_SMALL", "1")
+    monkeypatch.setenv("MINIGPT_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("MINIGPT_NOTEBOOK_TEXT", str(stories_file))
+    notebook = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
+    client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
+    client.execute()  # a cell that raises fails the test with its traceback
+    text = "\n".join(
+        out.get("text", "") + "".join(out.get("data", {}).get("text/plain", ""))
+        for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs)
+    for expected in EXPECTED[name]:
+        assert expected in text, f"{name}: {expected!r} not in the outputs"
+    assert not list(NOTEBOOK_DIR.glob("runs")), "notebooks write under MINIGPT_RUNS"

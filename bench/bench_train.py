@@ -5,7 +5,7 @@ FLOP/s over the float32 matmul FLOP/s JAX reaches on the same machine (best of s
 matmuls, measured before and after the timed steps). Each configuration runs in its own process,
 because the number of simulated devices is fixed when JAX starts.
 
-    python bench/bench_train.py                 # everything (about 15 minutes on 2 cores)
+    python bench/bench_train.py                 # everything (about 30 minutes on 2 cores)
     python bench/bench_train.py --only presets  # or: context, depth, scan
 
 Sections: the `minigpt` model at the tutorial's shape (batch 32 x 256 tokens) on 1 device and

@@ -23,8 +23,6 @@ from minigpt.data import resolve_data
 from minigpt.models import get_config
 from minigpt.tokenizer import TokenizerError, load_tokenizer
 
-pytestmark = pytest.mark.slow
-
 MODEL = get_config("minigpt-tiny")
 STEPS = 4
 
@@ -98,7 +96,8 @@ def reference(data_dir, tmp_path_factory, preset: str) -> list[float]:
     return _references[preset]
 
 
-@pytest.mark.parametrize("preset", ["fsdp", "dp_tp"])
+# fsdp runs in the default suite; the rest of this module is marked slow.
+@pytest.mark.parametrize("preset", ["fsdp", pytest.param("dp_tp", marks=pytest.mark.slow)])
 def test_two_processes_train_like_one(data_dir, tmp_path, tmp_path_factory, preset):
     out = launch(config(data_dir, tmp_path / "run", preset), tmp_path)
     assert "mesh {" in out and "checkpoint:" in out
@@ -108,6 +107,7 @@ def test_two_processes_train_like_one(data_dir, tmp_path, tmp_path_factory, pres
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4"]
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_one_and_two_processes(data_dir, tmp_path, tmp_path_factory):
     expected = reference(data_dir, tmp_path_factory, "fsdp")
     # two processes, then one
@@ -137,6 +137,7 @@ def job_pids(marker: str) -> dict[int, int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the processes through /proc")
 def test_a_killed_process_stops_the_job_and_the_last_checkpoint_resumes(data_dir, tmp_path):
     cfg = config(data_dir, tmp_path / "run", steps=10_000)

@@ -8,6 +8,7 @@ says so, because such a figure is an estimate and not a vendor number.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -67,8 +68,9 @@ def measure_matmul_peak(dtype: str = "float32", size: int = 2048, repeats: int =
     return 2 * size**3 / best
 
 
+@functools.cache
 def device_peak(dtype: str = "float32") -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the number comes from)."""
+    """(peak FLOP/s of one device, where the number comes from), measured once per process."""
     kind = jax.devices()[0].device_kind
     for name, peaks in KNOWN_PEAKS.items():
         if kind.startswith(name):

@@ -127,7 +127,7 @@ def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
     code = train.main(["--preset", "dp", "--model", "minigpt-tiny", "--data", str(data_dir),
                        "--steps", "2", "--batch-size", "8", "--seq-len", "32", "--out", str(out),
                        "--set", "eval_batches=1", "--set", "warmup_steps=1", "--set",
-                       "keep_checkpoints=1", "--save-every", "1", "--profile-steps", "0:1"])
+                       "keep_checkpoints=1", "--save-every", "1", "--profile-steps", "1:2"])
     assert code == 0
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["2"]  # keeps the last one
     assert list((out / "profile").rglob("*.xplane.pb"))

@@ -194,7 +194,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
                                      tok_s=f"{entry['tokens_per_s']:,.0f}",
                                      mfu=f"{entry['mfu']:.3f}")
 
-    pending, done, data_state = None, start, it.get_state()
+    pending, done, data_state, tracing = None, start, it.get_state(), False
     try:
         # In a multi-process job all processes must stop at the same step to save together;
         # there Ctrl-C (or the launcher) stops them all and --resume uses the last checkpoint.
@@ -204,7 +204,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
                 if stop.requested:
                     break
                 if profile and step == profile[0]:
+                    if pending is not None:  # the trace holds steps a..b-1 and nothing before
+                        jax.block_until_ready(pending[1])
                     jax.profiler.start_trace(str(out / "profile"))
+                    tracing = True
                 batch = batch_put(next(it))
                 metrics = steps.train_step(model, optimizer, batch, rng,
                                            microbatches=train_cfg.microbatches, schedule=schedule)
@@ -212,8 +215,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
                 if pending is not None:  # read step k-1 while step k runs
                     record(*pending)
                 pending = (step, metrics)
-                if profile and done == profile[1]:
+                if tracing and done == profile[1]:
+                    jax.block_until_ready(metrics)  # step b-1 runs to its end inside the trace
                     jax.profiler.stop_trace()
+                    tracing = False
                 save = done % train_cfg.save_every == 0 or done == train_cfg.steps
                 evaluate_now = done % train_cfg.eval_every == 0 or done == train_cfg.steps
                 if save or evaluate_now:
@@ -234,6 +239,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
             if interrupted:
                 checkpointer.save(done, model, optimizer, data_state=data_state, rng=rng)
     finally:
+        if tracing:  # the run ended (or stopped) before step b: keep what was traced
+            jax.profiler.stop_trace()
         checkpointer.wait()
         metrics_log.close()
         if progress is not None:

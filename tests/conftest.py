@@ -18,11 +18,16 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
-# One compilation cache for the whole session, shared with the processes tests start (CLI runs,
+# A compilation cache for the session, shared with the processes tests start (CLI runs,
 # multi-process jobs, notebooks): tests that compile the same step reuse it instead of compiling
-# again. It lives in a fresh temporary folder, so nothing carries over between sessions.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="minigpt-jax-cache-")
+# again. It lives in a fresh temporary folder, so nothing carries over between sessions, with one
+# subfolder per pytest-xdist worker: JAX writes cache entries without locking, so two workers
+# must not share one (a worker's own child processes may: they compile the same programs).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ or "MINIGPT_TEST_JAX_CACHE" in os.environ:
+    root = os.environ.setdefault("MINIGPT_TEST_JAX_CACHE",
+                                 tempfile.mkdtemp(prefix="minigpt-jax-cache-"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(root, worker)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 

@@ -87,8 +87,9 @@ class _Handler(BaseHTTPRequestHandler):
         if server.cuts:  # promise the whole body, send part of it, hang up
             body = body[:server.cuts.pop(0)]
             self.close_connection = True
-        self.wfile.write(body)
+        # Logged before writing: the client may finish reading before this thread runs again.
         server.log[-1]["sent"] = len(body)
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass

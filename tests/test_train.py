@@ -5,6 +5,7 @@ import json
 import math
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ def losses(run_dir) -> list[float]:
 
 def test_a_run_writes_its_directory_and_honest_metrics(config):
     summary = train.train(MODEL, config, sample=False)
-    out = config.out and __import__("pathlib").Path(config.out)
+    out = Path(config.out)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "loss.png",
                                                      "metrics.jsonl"]
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3, 6]
@@ -76,7 +77,7 @@ def test_loss_falls_on_tinystories(config):
     cfg = dataclasses.replace(config, steps=40, decay_steps=40, eval_every=40, save_every=40,
                               warmup_steps=5)
     train.train(MODEL, cfg, sample=False)
-    seen = losses(__import__("pathlib").Path(cfg.out))
+    seen = losses(Path(cfg.out))
     assert np.mean(seen[-5:]) < np.mean(seen[:5]) - 2.0
 
 
@@ -138,6 +139,12 @@ def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("Once upon a time")
     assert generate.main(["--run", str(out), "--max-new-tokens", "5", "--num-samples", "2"]) == 0
     assert capsys.readouterr().out.count("--- sample") == 2
+
+
+def test_a_profile_range_past_the_last_step_still_closes_its_trace(config):
+    config = dataclasses.replace(config, steps=2, profile_steps="1:50")
+    assert train.train(MODEL, config, sample=False)["step"] == 2
+    assert list((Path(config.out) / "profile").rglob("*.xplane.pb"))
 
 
 def test_cli_refuses_to_resume_with_another_model(data_dir, tmp_path, capsys, config):

@@ -204,8 +204,11 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
                 if stop.requested:
                     break
                 if profile and step == profile[0]:
-                    if pending is not None:  # the trace holds steps a..b-1 and nothing before
+                    # The trace holds steps a..b-1 and nothing before: no step still running,
+                    # no checkpoint still being written.
+                    if pending is not None:
                         jax.block_until_ready(pending[1])
+                    checkpointer.wait()
                     jax.profiler.start_trace(str(out / "profile"))
                     tracing = True
                 batch = batch_put(next(it))

@@ -6,12 +6,13 @@ matmuls, measured before and after the timed steps). Each configuration runs in 
 because the number of simulated devices is fixed when JAX starts.
 
     python bench/bench_train.py                 # everything (about 30 minutes on 2 cores)
-    python bench/bench_train.py --only presets  # or: context, depth, scan
+    python bench/bench_train.py --only presets  # or: context, depth, scan, kernels
 
 Sections: the `minigpt` model at the tutorial's shape (batch 32 x 256 tokens) on 1 device and
 under every preset on 8 simulated CPU devices (same global batch); then step time as the context
 grows (128..1024 at 8,192 tokens per step) and as the model deepens (2..16 layers); last, the
-compile time of unrolled layers against `nnx.scan` over layers (4..32 layers).
+compile time of unrolled layers against `nnx.scan` over layers (4..32 layers); and the CPU-tuned
+kernels against the plain reference ones (`model.kernels`), which decides what "auto" picks.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--only", choices=["presets", "context", "depth", "scan"])
+    parser.add_argument("--only", choices=["presets", "context", "depth", "scan", "kernels"])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
     args = parser.parse_args()
     if args.worker:
@@ -181,6 +182,27 @@ def main() -> None:
         append_section("compile time: unrolled layers vs nnx.scan, minigpt on 1 device", [
             "minigpt's shape with 4 to 32 layers, batch 8 x 256; compile = lowering and "
             "compiling the first train step; step = one timed step after a warm-up step",
+        ], body)
+
+    if args.only in (None, "kernels"):
+        specs = [{**base, "preset": "dp", "devices": 1, "label": f"{model} kernels={k}",
+                  "model": model, "overrides": {"kernels": k}}
+                 for model in ("minigpt", "llama-15m") for k in ("reference", "cpu")]
+        results = [run(s) for s in specs]
+        rows = []
+        for i in range(0, len(specs), 2):
+            ref, cpu = results[i], results[i + 1]
+            rows.append((specs[i]["model"], f"{ref['step_s']:.3f}", f"{cpu['step_s']:.3f}",
+                         f"{ref['step_s'] / cpu['step_s']:.2f}x", f"{ref['compile_s']:.1f}",
+                         f"{cpu['compile_s']:.1f}", mib(ref["peak_bytes"]),
+                         mib(cpu["peak_bytes"])))
+        body = table(["model", "step reference (s)", "step cpu (s)", "cpu speed-up",
+                      "compile reference (s)", "compile cpu (s)", "peak memory reference (MiB)",
+                      "peak memory cpu (MiB)"], rows)
+        append_section("kernels: plain reference vs CPU-tuned, 1 CPU device", [
+            "batch 32 x the model's context (256), AdamW, float32, dropout as configured; "
+            "`model.kernels=reference` (jax.nn attention, optax cross-entropy, autodiff) against "
+            "`model.kernels=cpu` (blocked attention, fused chunked loss, row sums as products)",
         ], body)
 
 

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minigpt.files import write_text_atomic
+
 
 class ConfigError(ValueError):
     """A configuration value a user gave is invalid; the message says which and why."""
 
 
 DTYPES = ("float32", "bfloat16")
+KERNELS = ("auto", "reference", "cpu")  # see minigpt.kernels
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
     remat: bool = False
     scan_layers: bool = False
+    # Which implementation of the backend-tuned operations to run (minigpt.kernels): "auto"
+    # picks the CPU-tuned ones on a CPU and the plain ones elsewhere. Both compute the same.
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_len", "embed_dim", "num_heads", "mlp_dim",
@@ -63,6 +69,8 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"model.kernels must be one of {KERNELS}, got {self.kernels!r}")
 
     @property
     def head_dim(self) -> int:
@@ -190,9 +198,7 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
 def save_run_config(path: Path, model: ModelConfig, train: TrainConfig, **extra: Any) -> None:
     """Write config.json atomically: a crash mid-write must not leave a broken run directory."""
     payload = {"model": dataclasses.asdict(model), "train": dataclasses.asdict(train), **extra}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
 def load_run_config(path: Path) -> dict[str, Any]:

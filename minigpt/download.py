@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from minigpt.data import DataError
+from minigpt.tokens import DataError
 
 HF_BASE = "https://huggingface.co"
 HF_REPO = "roneneldan/TinyStories"
@@ -93,6 +93,33 @@ def _total_size(response: http.client.HTTPResponse, start: int) -> int | None:
     return start + int(length) if length and length.isdigit() else None
 
 
+class _Part:
+    """The `<name>.part` file a transfer appends to, with the running sha256 of its bytes."""
+
+    def __init__(self, path: Path, size: int | None):
+        self.path = path
+        self.have = path.stat().st_size if path.exists() else 0
+        if size is not None and self.have > size:  # longer than the file: not a prefix of it
+            self.restart()
+        self.hasher = hashlib.sha256()
+        if self.have:
+            sha256_file(path, self.hasher)
+
+    def restart(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self.have, self.hasher = 0, hashlib.sha256()
+
+    def append_from(self, response, total: int | None, progress: bool) -> None:
+        with open(self.path, "ab") as out, tqdm(
+                total=total, initial=self.have, unit="B", unit_scale=True, unit_divisor=1024,
+                desc=self.path.name.removesuffix(".part"), disable=not progress) as bar:
+            while chunk := response.read(CHUNK_BYTES):
+                out.write(chunk)
+                self.hasher.update(chunk)
+                self.have += len(chunk)
+                bar.update(len(chunk))
+
+
 def download_file(url: str, dest: str | Path, *, size: int | None = None,
                   sha256: str | None = None, attempts: int = 5, retry_wait: float = 2.0,
                   timeout: float = 60.0, progress: bool = True) -> str:
@@ -108,48 +135,19 @@ def download_file(url: str, dest: str | Path, *, size: int | None = None,
     if dest.exists():
         return _verify_existing(dest, size, sha256)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    have = part.stat().st_size if part.exists() else 0
-    if size is not None and have > size:
-        part.unlink()
-        have = 0
-    hasher = hashlib.sha256()
-    if have:
-        sha256_file(part, hasher)
-
+    part = _Part(dest.with_name(dest.name + ".part"), size)
     last_error = ""
     for attempt in range(attempts):
-        if size is not None and have == size:
+        if size is not None and part.have == size:
             break
         try:
-            with _open(url, have, timeout) as response:
-                if have and response.status != 206:
-                    # The server ignored the Range header and sends the whole file again.
-                    part.unlink()
-                    have, hasher = 0, hashlib.sha256()
-                total = _total_size(response, have)
-                if size is not None and total is not None and total != size:
-                    raise DataError(
-                        f"{url} is {total:,} bytes, but {dest.name} at this revision has "
-                        f"{size:,}: the server sends a different file; check the revision or "
-                        f"MINIGPT_HF_BASE")
-                with open(part, "ab") as out, tqdm(
-                        total=total, initial=have, unit="B", unit_scale=True,
-                        unit_divisor=1024, desc=dest.name, disable=not progress) as bar:
-                    while chunk := response.read(CHUNK_BYTES):
-                        out.write(chunk)
-                        hasher.update(chunk)
-                        have += len(chunk)
-                        bar.update(len(chunk))
-                if total is None or have == total:
-                    size = size if size is not None else have
-                    break
-                last_error = f"connection closed after {have:,} of {total:,} bytes"
+            size, last_error = _fetch_once(url, part, size, dest.name, timeout, progress)
+            if not last_error:
+                break
         except urllib.error.HTTPError as error:
-            if error.code == 416 and have:
+            if error.code == 416 and part.have:
                 # Range not satisfiable: the part is not a prefix of this file; start over.
-                part.unlink()
-                have, hasher = 0, hashlib.sha256()
+                part.restart()
                 last_error = "the partial file did not match the server's file"
                 continue
             if 400 <= error.code < 500 and error.code not in (408, 429):
@@ -161,20 +159,44 @@ def download_file(url: str, dest: str | Path, *, size: int | None = None,
         if attempt + 1 < attempts:
             time.sleep(retry_wait * 2**attempt)
     else:
-        advice = (f"{have:,} bytes are kept in {part}: run the same command again to resume"
-                  if have else "check the network or MINIGPT_HF_BASE and run the command again")
+        advice = (f"{part.have:,} bytes are kept in {part.path}: run the same command again to "
+                  f"resume" if part.have else
+                  "check the network or MINIGPT_HF_BASE and run the command again")
         raise DataError(f"downloading {url} failed after {attempts} attempts ({last_error}); "
                         f"{advice}")
+    return _accept(part, dest, url, size, sha256)
 
-    if size is not None and have != size:
-        raise DataError(f"{part} has {have:,} bytes, expected {size:,}; delete it and retry")
-    digest = hasher.hexdigest()
+
+def _fetch_once(url: str, part: _Part, size: int | None, name: str, timeout: float,
+                progress: bool) -> tuple[int | None, str]:
+    """One request for the bytes after those in `part`; returns (the file's size if now known,
+    why the transfer stopped short, or "" when it is complete)."""
+    with _open(url, part.have, timeout) as response:
+        if part.have and response.status != 206:
+            part.restart()  # the server ignored the Range header and sends the whole file
+        total = _total_size(response, part.have)
+        if size is not None and total is not None and total != size:
+            raise DataError(f"{url} is {total:,} bytes, but {name} at this revision has "
+                            f"{size:,}: the server sends a different file; check the revision "
+                            f"or MINIGPT_HF_BASE")
+        part.append_from(response, total, progress)
+    if total is None or part.have == total:
+        return (size if size is not None else part.have), ""
+    return size, f"connection closed after {part.have:,} of {total:,} bytes"
+
+
+def _accept(part: _Part, dest: Path, url: str, size: int | None, sha256: str | None) -> str:
+    """Rename a complete part to `dest` if its size and hash check out; return its sha256."""
+    if size is not None and part.have != size:
+        raise DataError(f"{part.path} has {part.have:,} bytes, expected {size:,}; delete it "
+                        f"and retry")
+    digest = part.hasher.hexdigest()
     if sha256 is not None and digest != sha256:
-        part.unlink()
+        part.path.unlink()
         raise DataError(
             f"{dest.name} from {url} has sha256 {digest}, expected {sha256}: the download "
             f"is corrupt or not the pinned file; the partial file was deleted, run again")
-    part.replace(dest)
+    part.path.replace(dest)
     return digest
 
 

@@ -26,8 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from minigpt.models import DecoderLM
+from minigpt import sharding
+from minigpt.checkpoint import Checkpointer, CheckpointError
+from minigpt.config import ConfigError, load_run_config
+from minigpt.models import DecoderLM, build_model
+from minigpt.runtime import relaunch_with_huge_pages, set_simulated_devices
+from minigpt.tokenizer import TokenizerError, load_tokenizer
 
 
 class GenerationError(ValueError):
@@ -144,8 +150,6 @@ def _to_host(x: jax.Array) -> np.ndarray:
     """The whole array on this host, also when other processes of a multi-process job hold parts."""
     if x.is_fully_addressable:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -231,12 +235,6 @@ def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_token
 
 def load_for_generation(run: str | Path, preset_name: str = "dp"):
     """Restore a run's latest model weights (no optimizer state) under a preset."""
-    from minigpt import sharding
-    from minigpt.checkpoint import Checkpointer
-    from minigpt.config import ConfigError, load_run_config
-    from minigpt.models import build_model
-    from minigpt.tokenizer import load_tokenizer
-
     run = Path(run)
     if not run.is_dir():
         raise GenerationError(f"run directory {run} does not exist")
@@ -278,14 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preset", default="dp", help="how to lay the model out on the devices")
     p.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
     args = p.parse_args(argv)
-
-    from minigpt import sharding
-    from minigpt.checkpoint import CheckpointError
-    from minigpt.tokenizer import TokenizerError
-
     if args.devices:
-        from minigpt.runtime import set_simulated_devices
-
         set_simulated_devices(args.devices)
     try:
         model, tokenizer, preset, mesh, step = load_for_generation(args.run, args.preset)
@@ -312,7 +303,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from minigpt.runtime import relaunch_with_huge_pages
-
     relaunch_with_huge_pages()
     sys.exit(main())

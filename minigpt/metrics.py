@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from minigpt.config import ModelConfig
+from minigpt.files import replacing
 
 # Dense peak FLOP/s per device (one chip, or one GPU) by compute dtype, from vendor data sheets.
 # float32 entries are what XLA uses for float32 matmuls by default (TF32 on NVIDIA GPUs, bf16
@@ -118,7 +119,6 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    tmp.replace(path)

@@ -26,7 +26,6 @@ unchanged sources and settings reuses the files.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import os
 import re
@@ -40,8 +39,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from minigpt.data import DataError, load_meta
 from minigpt.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from minigpt.tokens import (
+    SPLITS,
+    DataError,
+    load_meta,
+    split_path,
+    token_file_problem,
+    write_meta,
+)
 
 SEPARATOR = "<|endoftext|>"
 FORMAT = 1
@@ -187,16 +193,11 @@ def _fingerprint(path: Path, split: str, previous: dict[str, Any] | None) -> dic
 
 def _reusable(out_dir: Path, settings: dict[str, Any], inputs: list[tuple[Path, str]]) -> bool:
     try:
-        meta = json.loads((out_dir / "meta.json").read_text())
-    except (OSError, ValueError):
+        meta = load_meta(out_dir)
+    except DataError:
         return False
-    if any(meta.get(k) != v for k, v in settings.items()):
+    if any(meta.get(k) != v for k, v in settings.items()) or token_file_problem(out_dir, meta):
         return False
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    for split in ("train", "val"):
-        path = out_dir / f"{split}.bin"
-        if not path.is_file() or path.stat().st_size != meta[f"{split}_tokens"] * itemsize:
-            return False
     recorded = meta.get("sources", [])
     if len(recorded) != len(inputs):
         return False
@@ -205,6 +206,38 @@ def _reusable(out_dir: Path, settings: dict[str, Any], inputs: list[tuple[Path, 
         if any(old.get(k) != v for k, v in new.items()):
             return False
     return True
+
+
+def _tokenize(files: list[StoryFile], splits_of: list[str], splits: dict[str, _TokenFile], enc,
+              fraction: Fraction, progress: bool) -> list[dict[str, Any]]:
+    """Encode every story of every file into its split's token file; return the sources'
+    records for meta.json. A file marked "train+val" sends `fraction` of its stories to val."""
+    sources, seen = [], 0
+    with tqdm(total=sum(f.size for f in files), unit="B", unit_scale=True,
+              unit_divisor=1024, desc="tokenizing", disable=not progress) as bar:
+        for story_file, split in zip(files, splits_of):
+            for stories, nbytes in story_file.batches():
+                tokens = enc.encode_ordinary_batch(stories, num_threads=os.cpu_count() or 1)
+                if split == "train+val":
+                    val = _held_out(seen, len(stories), fraction)
+                    splits["train"].write([t for t, v in zip(tokens, val) if not v],
+                                          enc.eot_token)
+                    splits["val"].write([t for t, v in zip(tokens, val) if v], enc.eot_token)
+                    seen += len(stories)
+                else:
+                    splits[split].write(tokens, enc.eot_token)
+                bar.update(nbytes)
+            path = story_file.path
+            if story_file.stories == 0:
+                raise DataError(f"{path} contains no stories, only separators and space")
+            stat = path.stat()
+            sources.append({
+                "file": path.name, "path": str(path.resolve()), "split": split,
+                "layout": story_file.layout, "bytes": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns, "sha256": story_file.sha256,
+                "stories": story_file.stories,
+                "dropped_partial_story": story_file.dropped_partial_story})
+    return sources
 
 
 def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
@@ -236,38 +269,16 @@ def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
     fraction = Fraction(val_fraction).limit_denominator(10_000)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # the old files no longer describe the data
-    splits = {s: _TokenFile(out_dir / f"{s}.bin", dtype) for s in ("train", "val")}
-    sources, seen = [], 0
+    splits = {s: _TokenFile(split_path(out_dir, s), dtype) for s in SPLITS}
     try:
-        with tqdm(total=sum(f.size for f in files), unit="B", unit_scale=True,
-                  unit_divisor=1024, desc="tokenizing", disable=not progress) as bar:
-            for story_file, (path, split) in zip(files, inputs):
-                for stories, nbytes in story_file.batches():
-                    tokens = enc.encode_ordinary_batch(stories, num_threads=os.cpu_count() or 1)
-                    if split == "train+val":
-                        val = _held_out(seen, len(stories), fraction)
-                        splits["train"].write([t for t, v in zip(tokens, val) if not v],
-                                              enc.eot_token)
-                        splits["val"].write([t for t, v in zip(tokens, val) if v], enc.eot_token)
-                        seen += len(stories)
-                    else:
-                        splits[split].write(tokens, enc.eot_token)
-                    bar.update(nbytes)
-                if story_file.stories == 0:
-                    raise DataError(f"{path} contains no stories, only separators and space")
-                stat = path.stat()
-                sources.append({
-                    "file": path.name, "path": str(path.resolve()), "split": split,
-                    "layout": story_file.layout, "bytes": stat.st_size,
-                    "mtime_ns": stat.st_mtime_ns, "sha256": story_file.sha256,
-                    "stories": story_file.stories,
-                    "dropped_partial_story": story_file.dropped_partial_story})
-        for name, split_file in splits.items():
-            if split_file.stories == 0:
-                hint = ("more text or a larger val_fraction" if name == "val" and not val_files
-                        else "files that contain stories")
-                raise DataError(f"the {name} split would be empty ({seen} stories in all, "
-                                f"val_fraction {val_fraction}): give {hint}")
+        sources = _tokenize(files, [split for _, split in inputs], splits, enc, fraction,
+                            progress)
+        empty = [name for name, split_file in splits.items() if split_file.stories == 0]
+        if empty:
+            hint = ("more text or a larger val_fraction" if empty == ["val"] and not val_files
+                    else "files that contain stories")
+            raise DataError(f"the {empty[0]} split would be empty ({sum(f.stories for f in files)}"
+                            f" stories in all, val_fraction {val_fraction}): give {hint}")
     except BaseException:
         for split_file in splits.values():
             split_file.discard()
@@ -287,8 +298,6 @@ def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
         "dataset": dataset,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    tmp = out_dir / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, out_dir / "meta.json")
+    write_meta(out_dir, meta)
     return meta
 

@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from minigpt import sharding, steps
 from minigpt.checkpoint import Checkpointer, CheckpointError
@@ -39,9 +41,15 @@ from minigpt.config import (
     parse_step_range,
     save_run_config,
 )
+from minigpt.data import resolve_data
+from minigpt.files import write_text_atomic
+from minigpt.generate import generate
+from minigpt.loader import batch_iterator
 from minigpt.metrics import MetricsLog, device_peak, flops_per_token, plot_losses, read_metrics
 from minigpt.models import build_model, get_config
 from minigpt.runtime import join_job, relaunch_with_huge_pages, set_simulated_devices
+from minigpt.tokenizer import TokenizerError, load_tokenizer
+from minigpt.tokens import DataError, load_meta
 
 
 def log(*args: Any) -> None:
@@ -70,15 +78,271 @@ def check_batch(train_cfg: TrainConfig, preset: sharding.Preset, mesh) -> None:
             f"batch size that is a multiple of {ways * train_cfg.microbatches}")
 
 
+@dataclasses.dataclass
+class Run:
+    """What a training run holds while it runs: configs, mesh, data, state and checkpoints."""
+
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    out: Path
+    seq_len: int
+    preset: sharding.Preset
+    mesh: Any
+    data_dir: Path
+    tokenizer: str
+    model: nnx.Module
+    optimizer: nnx.Optimizer
+    checkpointer: Checkpointer
+    batches: Any  # the Grain iterator of training batches
+    rng: jax.Array
+    step: int = 0  # steps done
+
+    @property
+    def is_writer(self) -> bool:
+        return jax.process_index() == 0
+
+
+def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = False,
+          sample: bool = True) -> dict[str, Any]:
+    """Train (or continue training) a model; returns a summary of the run.
+
+    The phases: build the run (refusing what cannot work before anything compiles), restore
+    its latest checkpoint when resuming, write the run's files, run the loop, finish (plot,
+    sample). The checkpointer is closed however the run ends.
+    """
+    run = build_run(model_cfg, train_cfg, resume=resume)
+    try:
+        if resume:
+            restore(run)
+        write_run_files(run)
+        interrupted = run_loop(run)
+    finally:
+        run.checkpointer.close()
+    return finish(run, interrupted=interrupted, sample=sample)
+
+
+def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool) -> Run:
+    """Check the request, prepare the data and create the sharded state (nothing trained yet)."""
+    out = Path(train_cfg.out)
+    checkpoints = out / "checkpoints"
+    if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise ConfigError(f"{out} already holds checkpoints: pass --resume to continue it, "
+                          f"or choose another --out")
+    seq_len = train_cfg.seq_len or model_cfg.context_len
+    if seq_len > model_cfg.context_len:
+        raise ConfigError(f"train.seq_len {seq_len} exceeds the model's context "
+                          f"{model_cfg.context_len}")
+    preset = sharding.load_preset(train_cfg.preset)
+    mesh = sharding.make_mesh(preset)
+    check_batch(train_cfg, preset, mesh)
+    data_dir = _prepare_data(train_cfg)
+    model, optimizer = init_state(model_cfg, train_cfg, preset, mesh)
+    batches = batch_iterator(data_dir, "train", seq_len=seq_len,
+                             batch_size=train_cfg.batch_size, seed=train_cfg.seed,
+                             process_index=jax.process_index(),
+                             process_count=jax.process_count())
+    return Run(model_cfg=model_cfg, train_cfg=train_cfg, out=out, seq_len=seq_len,
+               preset=preset, mesh=mesh, data_dir=data_dir,
+               tokenizer=load_meta(data_dir)["tokenizer"], model=model, optimizer=optimizer,
+               checkpointer=Checkpointer(checkpoints, keep=train_cfg.keep_checkpoints),
+               batches=batches, rng=jax.random.key(train_cfg.seed))
+
+
+def restore(run: Run) -> None:
+    """Continue from the latest checkpoint: weights, optimizer, step, key and data position."""
+    restored = run.checkpointer.restore(run.model, run.optimizer)
+    run.step, run.rng = restored["step"], restored["rng"]
+    run.batches.set_state(restored["data_state"])
+    log(f"resumed from {run.checkpointer.directory / str(run.step)} at step {run.step}")
+
+
+def write_run_files(run: Run) -> None:
+    """config.json (enough to rebuild the model), and metrics.jsonl cut back to the start step."""
+    if not run.is_writer:
+        return
+    run.out.mkdir(parents=True, exist_ok=True)
+    save_run_config(run.out / "config.json", run.model_cfg, run.train_cfg,
+                    preset=run.preset.name, tokenizer=run.tokenizer, data_dir=str(run.data_dir))
+    path = run.out / "metrics.jsonl"
+    if path.exists():  # on resume, forget metrics of steps after the checkpoint: they rerun
+        kept = [r for r in read_metrics(path) if r["step"] <= run.step]
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def run_loop(run: Run) -> bool:
+    """Train from `run.step` to `train.steps`; returns whether Ctrl-C cut the run short.
+
+    Step k is dispatched before the metrics of step k-1 are read, so the host never waits for
+    the step it just queued. Checkpoints and evaluation wait for their step to finish.
+    """
+    cfg = run.train_cfg
+    put = sharding.put_batch_fn(run.preset, run.mesh)
+    schedule = steps.lr_schedule(cfg)
+    recorder = _Recorder(run)
+    profiler = _Profiler(run.out / "profile", cfg.profile_steps)
+    pending = None
+    # In a multi-process job all processes must stop at the same step to save together;
+    # there Ctrl-C (or the launcher) stops them all and --resume uses the last checkpoint.
+    interrupts = _StopOnInterrupt() if jax.process_count() == 1 else _NoInterrupts()
+    try:
+        with sharding.use_preset(run.preset, run.mesh), interrupts as stop:
+            while run.step < cfg.steps and not stop.requested:
+                profiler.before(run.step, pending, run.checkpointer)
+                metrics = steps.train_step(run.model, run.optimizer, put(next(run.batches)),
+                                           run.rng, microbatches=cfg.microbatches,
+                                           schedule=schedule)
+                run.step += 1
+                if pending is not None:  # read step k-1 while step k runs
+                    recorder.record(*pending)
+                pending = (run.step, metrics)
+                profiler.after(run.step, metrics)
+                _save_and_evaluate(run, metrics, put, recorder)
+            if pending is not None:
+                recorder.record(*pending)
+            interrupted = stop.requested and run.step < cfg.steps
+            if interrupted:
+                _save(run)
+    finally:
+        profiler.close()
+        run.checkpointer.wait()
+        recorder.close()
+    return interrupted
+
+
+def _save(run: Run) -> None:
+    run.checkpointer.save(run.step, run.model, run.optimizer,
+                          data_state=run.batches.get_state(), rng=run.rng)
+
+
+def _save_and_evaluate(run: Run, metrics, put, recorder: _Recorder) -> None:
+    """The periodic checkpoint and evaluation, when this step is due for them."""
+    cfg, done = run.train_cfg, run.step
+    save = done % cfg.save_every == 0 or done == cfg.steps
+    evaluate_now = done % cfg.eval_every == 0 or done == cfg.steps
+    if not (save or evaluate_now):
+        return
+    jax.block_until_ready(metrics)  # the step's own time stays in its timing
+    with recorder.timer.pause():
+        if save:
+            _save(run)
+        if evaluate_now:
+            recorder.record_eval(done, evaluate(run.model, run.data_dir, cfg, run.seq_len, put))
+
+
 def evaluate(model, data_dir: Path, train_cfg: TrainConfig, seq_len: int, batch_put) -> float:
     """Mean loss over the first `eval_batches` batches of the validation split (fixed order)."""
-    from minigpt.data import batch_iterator
-
     it = batch_iterator(data_dir, "val", seq_len=seq_len, batch_size=train_cfg.batch_size,
                         seed=0, shuffle=False, process_index=jax.process_index(),
                         process_count=jax.process_count())
     losses = [steps.eval_step(model, batch_put(next(it))) for _ in range(train_cfg.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
+
+
+def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
+    """Summarise the run; a run that reached its end also gets its loss plot and a sample."""
+    summary = {"out": str(run.out), "step": run.step, "interrupted": interrupted,
+               "checkpoint": str(run.checkpointer.directory /
+                                 str(run.checkpointer.latest_step()))}
+    log(f"checkpoint: {summary['checkpoint']}")
+    if interrupted:
+        return summary
+    if run.is_writer:
+        records = read_metrics(run.out / "metrics.jsonl")
+        plot_losses(records, run.out / "loss.png")
+        summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
+        summary["eval_loss"] = next(
+            (r["eval_loss"] for r in reversed(records) if "eval_loss" in r), None)
+    if sample:
+        with sharding.use_preset(run.preset, run.mesh):
+            story = generate(run.model, load_tokenizer(run.tokenizer), ["Once upon a time"],
+                             max_new_tokens=100, temperature=0.8, top_k=50,
+                             rng=jax.random.key(0))[0]
+        log(f"sample:\n{story}")
+    return summary
+
+
+def _prepare_data(train_cfg: TrainConfig) -> Path:
+    """Download and tokenize on first use. In a multi-process job process 0 goes first and the
+    others wait, then reuse its files (shared file system) or prepare their own copy."""
+    if jax.process_count() == 1:
+        return resolve_data(train_cfg.data, train_cfg.data_root)
+    data_dir = resolve_data(train_cfg.data, train_cfg.data_root) if jax.process_index() == 0 \
+        else None
+    multihost_utils.sync_global_devices("minigpt: data prepared by process 0")
+    return data_dir or resolve_data(train_cfg.data, train_cfg.data_root)
+
+
+class _Recorder:
+    """Turns each step's device metrics into a metrics.jsonl record and the progress bar."""
+
+    def __init__(self, run: Run):
+        cfg = run.train_cfg
+        self.tokens_per_step = cfg.batch_size * run.seq_len
+        self.peak, peak_source = device_peak(run.model_cfg.dtype)
+        self.flops = flops_per_token(run.model_cfg, run.seq_len)
+        self.devices, self.log_every = run.mesh.size, cfg.log_every
+        self.timer = _StepTimer()
+        self.log = MetricsLog(run.out / "metrics.jsonl", enabled=run.is_writer)
+        self.progress = (tqdm(total=cfg.steps, initial=run.step, desc="train", unit="step",
+                              dynamic_ncols=True) if run.is_writer else None)
+        log(f"preset {run.preset.name} on mesh {dict(run.mesh.shape)}; "
+            f"{self.tokens_per_step:,} tokens/step; MFU against {self.peak / 1e12:.2f} "
+            f"TFLOP/s per device ({peak_source})")
+
+    def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        elapsed = self.timer.lap()
+        entry = {"step": step, **values}
+        if elapsed is not None:
+            entry["tokens_per_s"] = self.tokens_per_step / elapsed
+            entry["mfu"] = self.flops * entry["tokens_per_s"] / (self.peak * self.devices)
+        self.log.write(entry)
+        if self.progress is not None:
+            self.progress.update(1)
+            if step % self.log_every == 0 and elapsed is not None:
+                self.progress.set_postfix(loss=f"{values['loss']:.3f}",
+                                          tok_s=f"{entry['tokens_per_s']:,.0f}",
+                                          mfu=f"{entry['mfu']:.3f}")
+
+    def record_eval(self, step: int, loss: float) -> None:
+        self.log.write({"step": step, "eval_loss": loss,
+                        "eval_perplexity": math.exp(min(loss, 50))})
+        if self.progress is not None:
+            self.progress.write(f"step {step}: eval loss {loss:.4f}")
+
+    def close(self) -> None:
+        self.log.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+class _Profiler:
+    """A JAX profiler trace of steps a..b-1 (`train.profile_steps = "a:b"`), and nothing else:
+    no step still running and no checkpoint still being written when it starts."""
+
+    def __init__(self, directory: Path, steps_text: str):
+        self.directory = directory
+        self.range = parse_step_range(steps_text) if steps_text else None
+        self.tracing = False
+
+    def before(self, step: int, pending, checkpointer: Checkpointer) -> None:
+        if self.range and step == self.range[0]:
+            if pending is not None:
+                jax.block_until_ready(pending[1])
+            checkpointer.wait()
+            jax.profiler.start_trace(str(self.directory))
+            self.tracing = True
+
+    def after(self, done: int, metrics) -> None:
+        if self.tracing and done == self.range[1]:
+            jax.block_until_ready(metrics)  # step b-1 runs to its end inside the trace
+            self.close()
+
+    def close(self) -> None:
+        """Stop the trace; also when the run ends (or stops) before step b."""
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
 
 
 class _StopOnInterrupt:
@@ -130,178 +394,6 @@ class _StepTimer:
         start = time.perf_counter()
         yield
         self.paused += time.perf_counter() - start
-
-
-def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = False,
-          sample: bool = True) -> dict[str, Any]:
-    """Train (or continue training) a model; returns a summary of the run."""
-    from minigpt.data import batch_iterator, load_meta
-
-    out = Path(train_cfg.out)
-    seq_len = train_cfg.seq_len or model_cfg.context_len
-    if seq_len > model_cfg.context_len:
-        raise ConfigError(f"train.seq_len {seq_len} exceeds the model's context "
-                          f"{model_cfg.context_len}")
-    preset = sharding.load_preset(train_cfg.preset)
-    mesh = sharding.make_mesh(preset)
-    check_batch(train_cfg, preset, mesh)
-    data_dir = _prepare_data(train_cfg)
-    meta = load_meta(data_dir)
-
-    model, optimizer = init_state(model_cfg, train_cfg, preset, mesh)
-    checkpointer = Checkpointer(out / "checkpoints", keep=train_cfg.keep_checkpoints)
-    rng = jax.random.key(train_cfg.seed)
-    it = batch_iterator(data_dir, "train", seq_len=seq_len, batch_size=train_cfg.batch_size,
-                        seed=train_cfg.seed, process_index=jax.process_index(),
-                        process_count=jax.process_count())
-    start = 0
-    if resume:
-        restored = checkpointer.restore(model, optimizer)
-        start, rng = restored["step"], restored["rng"]
-        it.set_state(restored["data_state"])
-        log(f"resumed from {checkpointer.directory / str(start)} at step {start}")
-    is_writer = jax.process_index() == 0
-    if is_writer:
-        out.mkdir(parents=True, exist_ok=True)
-        save_run_config(out / "config.json", model_cfg, train_cfg, preset=preset.name,
-                        tokenizer=meta["tokenizer"], data_dir=str(data_dir))
-        _drop_records_after(out / "metrics.jsonl", start)
-
-    batch_put = sharding.put_batch_fn(preset, mesh)
-    schedule = steps.lr_schedule(train_cfg)
-    tokens_per_step = train_cfg.batch_size * seq_len
-    peak, peak_source = device_peak(model_cfg.dtype)
-    flops = flops_per_token(model_cfg, seq_len)
-    metrics_log = MetricsLog(out / "metrics.jsonl", enabled=is_writer)
-    profile = parse_step_range(train_cfg.profile_steps) if train_cfg.profile_steps else None
-    progress = _progress_bar(start, train_cfg.steps) if is_writer else None
-    timer = _StepTimer()
-    log(f"preset {preset.name} on mesh {dict(mesh.shape)}; {tokens_per_step:,} tokens/step; "
-        f"MFU against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
-
-    def record(step: int, metrics: dict[str, jax.Array]) -> None:
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        elapsed = timer.lap()
-        entry = {"step": step + 1, **values}
-        if elapsed is not None:
-            entry["tokens_per_s"] = tokens_per_step / elapsed
-            entry["mfu"] = flops * entry["tokens_per_s"] / (peak * mesh.size)
-        metrics_log.write(entry)
-        if progress is not None:
-            progress.update(1)
-            if (step + 1) % train_cfg.log_every == 0 and elapsed is not None:
-                progress.set_postfix(loss=f"{values['loss']:.3f}",
-                                     tok_s=f"{entry['tokens_per_s']:,.0f}",
-                                     mfu=f"{entry['mfu']:.3f}")
-
-    pending, done, data_state, tracing = None, start, it.get_state(), False
-    try:
-        # In a multi-process job all processes must stop at the same step to save together;
-        # there Ctrl-C (or the launcher) stops them all and --resume uses the last checkpoint.
-        interrupts = _StopOnInterrupt() if jax.process_count() == 1 else _NoInterrupts()
-        with sharding.use_preset(preset, mesh), interrupts as stop:
-            for step in range(start, train_cfg.steps):
-                if stop.requested:
-                    break
-                if profile and step == profile[0]:
-                    # The trace holds steps a..b-1 and nothing before: no step still running,
-                    # no checkpoint still being written.
-                    if pending is not None:
-                        jax.block_until_ready(pending[1])
-                    checkpointer.wait()
-                    jax.profiler.start_trace(str(out / "profile"))
-                    tracing = True
-                batch = batch_put(next(it))
-                metrics = steps.train_step(model, optimizer, batch, rng,
-                                           microbatches=train_cfg.microbatches, schedule=schedule)
-                data_state, done = it.get_state(), step + 1
-                if pending is not None:  # read step k-1 while step k runs
-                    record(*pending)
-                pending = (step, metrics)
-                if tracing and done == profile[1]:
-                    jax.block_until_ready(metrics)  # step b-1 runs to its end inside the trace
-                    jax.profiler.stop_trace()
-                    tracing = False
-                save = done % train_cfg.save_every == 0 or done == train_cfg.steps
-                evaluate_now = done % train_cfg.eval_every == 0 or done == train_cfg.steps
-                if save or evaluate_now:
-                    jax.block_until_ready(metrics)  # the step's own time stays in its timing
-                if save:
-                    with timer.pause():
-                        checkpointer.save(done, model, optimizer, data_state=data_state, rng=rng)
-                if evaluate_now:
-                    with timer.pause():
-                        eval_loss = evaluate(model, data_dir, train_cfg, seq_len, batch_put)
-                    metrics_log.write({"step": done, "eval_loss": eval_loss,
-                                       "eval_perplexity": math.exp(min(eval_loss, 50))})
-                    if progress is not None:
-                        progress.write(f"step {done}: eval loss {eval_loss:.4f}")
-            if pending is not None:
-                record(*pending)
-            interrupted = stop.requested and done < train_cfg.steps
-            if interrupted:
-                checkpointer.save(done, model, optimizer, data_state=data_state, rng=rng)
-    finally:
-        if tracing:  # the run ended (or stopped) before step b: keep what was traced
-            jax.profiler.stop_trace()
-        checkpointer.wait()
-        metrics_log.close()
-        if progress is not None:
-            progress.close()
-
-    summary = {"out": str(out), "step": done, "interrupted": interrupted,
-               "checkpoint": str(checkpointer.directory / str(checkpointer.latest_step()))}
-    log(f"checkpoint: {summary['checkpoint']}")
-    if is_writer and not interrupted:
-        records = read_metrics(out / "metrics.jsonl")
-        plot_losses(records, out / "loss.png")
-        summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
-        summary["eval_loss"] = next(
-            (r["eval_loss"] for r in reversed(records) if "eval_loss" in r), None)
-    if sample and not interrupted:
-        _print_sample(model, meta["tokenizer"], preset, mesh)
-    return summary
-
-
-def _prepare_data(train_cfg: TrainConfig) -> Path:
-    """Download and tokenize on first use. In a multi-process job process 0 goes first and the
-    others wait, then reuse its files (shared file system) or prepare their own copy."""
-    from minigpt.data import resolve_data
-
-    if jax.process_count() == 1:
-        return resolve_data(train_cfg.data, train_cfg.data_root)
-    from jax.experimental import multihost_utils
-
-    data_dir = resolve_data(train_cfg.data, train_cfg.data_root) if jax.process_index() == 0 \
-        else None
-    multihost_utils.sync_global_devices("minigpt: data prepared by process 0")
-    return data_dir or resolve_data(train_cfg.data, train_cfg.data_root)
-
-
-def _drop_records_after(path: Path, step: int) -> None:
-    """On resume, forget metrics of steps after the checkpoint: they will be run again."""
-    if not path.exists():
-        return
-    kept = [r for r in read_metrics(path) if r["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
-
-
-def _progress_bar(start: int, total: int):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _print_sample(model, tokenizer_name: str, preset, mesh) -> None:
-    from minigpt.generate import generate
-    from minigpt.tokenizer import load_tokenizer
-
-    with sharding.use_preset(preset, mesh):
-        story = generate(model, load_tokenizer(tokenizer_name), ["Once upon a time"],
-                         max_new_tokens=100, temperature=0.8, top_k=50, rng=jax.random.key(0))[0]
-    log(f"sample:\n{story}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -378,16 +470,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.distributed or any(v is not None for v in (
             args.coordinator, args.num_processes, args.process_id)):
         join_job(args.coordinator, args.num_processes, args.process_id)
-    from minigpt.data import DataError
-    from minigpt.tokenizer import TokenizerError
-
     try:
         model_cfg, train_cfg = resolve_configs(args)
-        out = Path(train_cfg.out)
-        if not args.resume and (out / "checkpoints").is_dir() and any(
-                (out / "checkpoints").iterdir()):
-            raise ConfigError(f"{out} already holds checkpoints: pass --resume to continue it, "
-                              f"or choose another --out")
         summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample)
     except (ConfigError, sharding.PresetError, CheckpointError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)

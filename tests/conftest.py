@@ -11,6 +11,8 @@ need TinyStories text use a small synthetic fixture, and tiktoken downloads its 
 
 import os
 import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -36,7 +38,24 @@ ASSETS = Path(os.environ.get("MINIGPT_ASSETS", REPO.parent / "shared" / "assets"
 if (ASSETS / "tiktoken_cache").is_dir():
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(ASSETS / "tiktoken_cache"))
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+EOT = "<|endoftext|>"
+
+
+def expected_stories(raw: bytes, *, keep_unterminated: bool) -> list[str]:
+    """The documented reading rules, written independently of minigpt.pretokenize."""
+    *closed, tail = raw.split(EOT.encode())
+    stories = [p.decode("utf-8").strip() for p in closed]
+    if tail.strip() and (keep_unterminated or tail.endswith(b"\n")):
+        stories.append(tail.decode("utf-8").strip())
+    return [s for s in stories if s]
+
+
+def tokens_of(path: Path) -> np.ndarray:
+    return np.fromfile(path, dtype=np.uint16)
+
 
 SYNTHETIC_STORIES = [
     "Once upon a time, there was a little cat named Tom. Tom liked to play with a red ball.",
@@ -66,3 +85,63 @@ def stories_file(tmp_path_factory) -> Path:
     if real.is_file():
         return real
     return write_synthetic_stories(tmp_path_factory.mktemp("stories") / "stories.txt")
+
+
+@pytest.fixture(scope="session")
+def gpt2():
+    """The GPT-2 encoding; tests that need it are skipped, saying why, where it cannot load."""
+    from minigpt.tokenizer import TokenizerError, load_tokenizer
+
+    try:
+        return load_tokenizer()
+    except TokenizerError as error:
+        pytest.skip(f"GPT-2 tokenizer unavailable here: {error}")
+
+
+# A local HTTP server with Range support and scripted failures, standing in for the Hub.
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        server = self.server
+        name = self.path.rsplit("/", 1)[-1]
+        server.log.append({"path": self.path, "range": self.headers.get("Range"), "sent": 0})
+        data = server.files.get(name)
+        if data is None:
+            self.send_error(404)
+            return
+        start = 0
+        if self.headers.get("Range") and not server.ignore_range:
+            start = int(self.headers["Range"].removeprefix("bytes=").rstrip("-"))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        body = data[start:]
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if server.cuts:  # promise the whole body, send part of it, hang up
+            body = body[:server.cuts.pop(0)]
+            self.close_connection = True
+        # Logged before writing: the client may finish reading before this thread runs again.
+        server.log[-1]["sent"] = len(body)
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    """Serves `server.files` (name -> bytes) on 127.0.0.1; `cuts` drops connections after that
+    many bytes, `ignore_range` answers Range requests with the whole file; `log` records every
+    request."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.files, httpd.log, httpd.cuts, httpd.ignore_range = {}, [], [], False
+    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+

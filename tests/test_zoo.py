@@ -13,7 +13,7 @@ from minigpt import sharding
 from minigpt.generate import generate_recompute, generate_tokens
 from minigpt.models import CONFIGS, build_model, count_params, get_config
 from minigpt.models.__main__ import main as list_zoo
-from minigpt.models.layers import apply_rope, causal_attention
+from minigpt.models.layers import apply_rope
 
 TINY = ["minigpt-tiny", "gpt2-tiny", "llama-tiny"]
 PROMPTS = [[464, 3797, 3332], list(range(100, 131)), [7]]
@@ -50,21 +50,6 @@ def test_the_zoo_lists_every_config_with_its_size(capsys):
     for name in CONFIGS:
         assert name in out
     assert "124,439,808" in out
-
-
-def test_grouped_query_attention_equals_multi_head_with_repeated_kv_heads():
-    rng = np.random.default_rng(0)
-    B, T, N, K, H = 2, 128, 8, 2, 16
-    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32)
-    grouped = causal_attention(q, k, v)
-    # Plain multi-head attention written out, every query head with its group's key/value head.
-    kr, vr = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
-    scores = jnp.einsum("btnh,bsnh->bnts", q, kr) / np.sqrt(H)
-    scores = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf)
-    plain = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores, -1), vr)
-    np.testing.assert_allclose(np.asarray(grouped), np.asarray(plain), atol=2e-6)
 
 
 def test_attention_with_as_many_kv_heads_as_query_heads_is_multi_head_attention():

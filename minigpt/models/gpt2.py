@@ -32,10 +32,10 @@ normal = nnx.initializers.normal(0.02)
 class TransformerBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         residual = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
-        self.norm1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.norm1 = LayerNorm(cfg, rngs=rngs)
         self.attention = Attention(cfg, use_bias=True, rope=False, init=normal,
                                    out_init=residual, rngs=rngs)
-        self.norm2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.norm2 = LayerNorm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, activation=functools.partial(jax.nn.gelu, approximate=True),
                        use_bias=True, init=normal, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
@@ -56,7 +56,7 @@ class GPT2(DecoderLM):
         self.positions = Embedding(cfg.context_len, cfg.embed_dim, (None, "embed"),
                                    init=normal, dtype=cfg.dtype, rngs=rngs)
         self.blocks = BlockStack(lambda r: TransformerBlock(cfg, rngs=r), cfg, rngs=rngs)
-        self.final_norm = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.final_norm = LayerNorm(cfg, rngs=rngs)
 
     def embed(self, tokens, positions, key=None):
         x = self.tokens(tokens) + self.positions(positions)  # [B, T, D]

@@ -11,7 +11,6 @@ Dimension letters used in shapes and einsum strings:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -19,7 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from minigpt import kernels
 from minigpt.config import ModelConfig
+from minigpt.kernels import ReferenceKernels
 from minigpt.sharding import constrain
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -36,74 +37,6 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...],
     """
     return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes,
                      eager_sharding=False)
-
-
-def _sum_rows(x: jax.Array) -> jax.Array:
-    """Sum x [..., F] over every leading axis, as a matrix-vector product with ones.
-
-    XLA's CPU backend reduces over outer axes about a hundred times slower than it multiplies
-    by a vector of ones, and every bias and norm gradient is such a sum.
-    """
-    rows = x.reshape(-1, x.shape[-1])  # [R, F]
-    ones = jnp.ones((rows.shape[0],), rows.dtype)
-    return jnp.dot(ones, rows, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def normalize(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float,
-              center: bool) -> jax.Array:
-    """LayerNorm (center=True) or RMSNorm (center=False) over the last axis, in float32.
-
-    The backward pass is written out: it materialises the incoming gradient once and sums the
-    parameter gradients with `_sum_rows`. Left to autodiff, XLA's CPU backend fused the
-    elementwise backward chain of every later layer into each of these sums and recomputed it,
-    a cost that grew with depth.
-    """
-    return _normalize_fwd(x, scale, bias, eps, center)[0]
-
-
-def _normalize_fwd(x, scale, bias, eps, center):
-    x32 = x.astype(jnp.float32)
-    if center:
-        x32 = x32 - x32.mean(-1, keepdims=True)
-    rstd = jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)  # [..., 1]
-    normed = x32 * rstd
-    y = normed * scale if bias is None else normed * scale + bias
-    return y.astype(x.dtype), (normed, rstd, scale, bias, jnp.zeros((), x.dtype))
-
-
-def _normalize_bwd(eps, center, residuals, g):
-    normed, rstd, scale, bias, like_x = residuals  # like_x: a scalar of x's dtype
-    g = jax.lax.optimization_barrier(g.astype(jnp.float32))
-    d_scale = _sum_rows(g * normed).astype(scale.dtype)
-    d_bias = None if bias is None else _sum_rows(g).astype(bias.dtype)
-    g_normed = g * scale
-    d_x = g_normed - normed * jnp.mean(g_normed * normed, axis=-1, keepdims=True)
-    if center:
-        d_x = d_x - jnp.mean(g_normed, axis=-1, keepdims=True)
-    return (d_x * rstd).astype(like_x.dtype), d_scale, d_bias
-
-
-normalize.defvjp(_normalize_fwd, _normalize_bwd)
-
-
-@jax.custom_vjp
-def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
-    """y + bias, broadcasting bias [F] over y [..., F] (its gradient summed as `_sum_rows`)."""
-    return y + bias
-
-
-def _add_bias_fwd(y, bias):
-    return y + bias, bias
-
-
-def _add_bias_bwd(bias, g):
-    g = jax.lax.optimization_barrier(g)  # as in _normalize_bwd
-    return g, _sum_rows(g).astype(bias.dtype)
-
-
-add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -127,8 +60,9 @@ class Dense(nnx.Module):
     """
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
-                 init: Initializer, use_bias: bool, dtype: str, rngs: nnx.Rngs):
-        self.spec, self.dtype = spec, jnp.dtype(dtype)
+                 init: Initializer, use_bias: bool, dtype: str, ops: ReferenceKernels,
+                 rngs: nnx.Rngs):
+        self.spec, self.dtype, self.ops = spec, jnp.dtype(dtype), ops
         x_letters, k_letters = spec.split("->")[0].split(",")
         ins = [i for i, letter in enumerate(k_letters) if letter in x_letters]
         outs = [i for i, letter in enumerate(k_letters) if letter not in x_letters]
@@ -150,9 +84,9 @@ class Dense(nnx.Module):
             return y
         bias = self.bias[...].astype(self.dtype)
         if bias.ndim > 1:  # [N, H] head biases: treat as one flat feature axis
-            return add_bias(y.reshape(*y.shape[:-bias.ndim], -1), bias.reshape(-1)).reshape(
-                y.shape)
-        return add_bias(y, bias)
+            flat = y.reshape(*y.shape[:-bias.ndim], -1)
+            return self.ops.add_bias(flat, bias.reshape(-1)).reshape(y.shape)
+        return self.ops.add_bias(y, bias)
 
 
 class Embedding(nnx.Module):
@@ -172,23 +106,26 @@ class Embedding(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs):
-        self.eps, self.dtype = eps, jnp.dtype(dtype)
-        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
-        self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",))
+    """Normalise over the embedding: subtract the mean, divide by the standard deviation, then
+    scale and shift (`center=False` makes it RMSNorm: no mean, no shift)."""
+
+    def __init__(self, cfg: ModelConfig, *, center: bool = True, rngs: nnx.Rngs):
+        self.eps, self.dtype, self.center = cfg.norm_eps, jnp.dtype(cfg.dtype), center
+        self.ops = kernels.get(cfg.kernels)
+        self.scale = param(rngs, nnx.initializers.ones, (cfg.embed_dim,), ("embed",))
+        self.bias = (param(rngs, nnx.initializers.zeros, (cfg.embed_dim,), ("embed",))
+                     if center else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Statistics in float32 whatever the compute dtype: bf16 variances lose too much.
-        return normalize(x, self.scale[...], self.bias[...], self.eps, True).astype(self.dtype)
+        bias = None if self.bias is None else self.bias[...]
+        y = self.ops.normalize(x, self.scale[...], bias, self.eps, self.center)
+        return y.astype(self.dtype)
 
 
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, dtype: str, rngs: nnx.Rngs):
-        self.eps, self.dtype = eps, jnp.dtype(dtype)
-        self.scale = param(rngs, nnx.initializers.ones, (dim,), ("embed",))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return normalize(x, self.scale[...], None, self.eps, False).astype(self.dtype)
+def RMSNorm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> LayerNorm:  # noqa: N802 - reads as a layer
+    """Root-mean-square normalisation (Zhang & Sennrich, 2019): a scale, no mean, no bias."""
+    return LayerNorm(cfg, center=False, rngs=rngs)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -199,37 +136,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
-# Query block length of the CPU attention below: score blocks of [64, <=T] stay in cache.
-ATTENTION_BLOCK = 64
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal self-attention: q [B, T, N, H], k and v [B, T, K, H] with N a multiple of K.
-
-    Accelerators get `jax.nn.dot_product_attention`, which picks a fused kernel where one exists.
-    On CPU, XLA materialises the whole [B, N, T, T] score tensor; attending block by block
-    instead skips the blocks above the diagonal (almost half the work) and keeps each block's
-    scores small enough to stay in cache, which makes attention 2-3x faster there.
-    """
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    if jax.default_backend() != "cpu" or T % ATTENTION_BLOCK or T == ATTENTION_BLOCK:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    G, bq = N // K, ATTENTION_BLOCK
-    q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4) * (H ** -0.5)  # [B, K, G, T, H]
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
-    blocks = []
-    for start in range(0, T, bq):
-        end = start + bq
-        scores = jnp.einsum("bkgth,bksh->bkgts", q[:, :, :, start:end], k[:, :, :end])
-        visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # [t, s]
-        scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        blocks.append(jnp.einsum("bkgts,bksh->bkgth", probs, v[:, :, :end]))
-    out = jnp.concatenate(blocks, axis=3)  # [B, K, G, T, H]
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
 def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -246,7 +152,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, use_bias: bool, rope: bool, init: Initializer,
                  out_init: Initializer, rngs: nnx.Rngs):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
-        common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
+        self.ops = kernels.get(cfg.kernels)
+        common = dict(use_bias=use_bias, dtype=cfg.dtype, ops=self.ops, rngs=rngs)
         self.query = Dense("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "kv"), init=init,
                            **common)
         self.key = Dense("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "kv"), init=init,
@@ -264,7 +171,7 @@ class Attention(nnx.Module):
             q = apply_rope(q, positions, self.rope_theta)
             k = apply_rope(k, positions, self.rope_theta)
         if kv is None:
-            y = causal_attention(q, k, v)  # [B, T, N, H]
+            y = self.ops.causal_attention(q, k, v)  # [B, T, N, H]
         else:
             # Each row writes at its own offset; a key is visible when its position is at most
             # the query's, which also hides stale entries beyond a row's current length.
@@ -284,7 +191,8 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, activation: Callable[[jax.Array], jax.Array],
                  use_bias: bool, init: Initializer, out_init: Initializer, rngs: nnx.Rngs):
         D, F = cfg.embed_dim, cfg.mlp_dim
-        common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
+        common = dict(use_bias=use_bias, dtype=cfg.dtype, ops=kernels.get(cfg.kernels),
+                      rngs=rngs)
         self.up = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=init, **common)
         self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
         self.activation = activation

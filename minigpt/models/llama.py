@@ -13,6 +13,7 @@ import math
 import jax
 from flax import nnx
 
+from minigpt import kernels
 from minigpt.config import ModelConfig
 from minigpt.models.layers import (
     Attention,
@@ -30,7 +31,7 @@ normal = nnx.initializers.normal(0.02)
 class SwiGLU(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, out_init, rngs: nnx.Rngs):
         D, F = cfg.embed_dim, cfg.mlp_dim
-        common = dict(use_bias=False, dtype=cfg.dtype, rngs=rngs)
+        common = dict(use_bias=False, dtype=cfg.dtype, ops=kernels.get(cfg.kernels), rngs=rngs)
         self.gate = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
         self.up = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
         self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
@@ -42,10 +43,10 @@ class SwiGLU(nnx.Module):
 class TransformerBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         residual = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
-        self.norm1 = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.norm1 = RMSNorm(cfg, rngs=rngs)
         self.attention = Attention(cfg, use_bias=False, rope=True, init=normal,
                                    out_init=residual, rngs=rngs)
-        self.norm2 = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.norm2 = RMSNorm(cfg, rngs=rngs)
         self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 
@@ -63,10 +64,10 @@ class Llama(DecoderLM):
         self.tokens = Embedding(cfg.padded_vocab, cfg.embed_dim, ("vocab", "embed"),
                                 init=normal, dtype=cfg.dtype, rngs=rngs)
         self.blocks = BlockStack(lambda r: TransformerBlock(cfg, rngs=r), cfg, rngs=rngs)
-        self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.final_norm = RMSNorm(cfg, rngs=rngs)
         self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim),
                             ("vocab", "embed"), init=normal, use_bias=False, dtype=cfg.dtype,
-                            rngs=rngs)
+                            ops=kernels.get(cfg.kernels), rngs=rngs)
 
     def embed(self, tokens, positions, key=None):
         return self.tokens(tokens)  # [B, T, D]; positions enter through the rotary embedding

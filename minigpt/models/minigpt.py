@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from minigpt import kernels
 from minigpt.config import ModelConfig
 from minigpt.models.layers import (
     MLP,
@@ -31,10 +32,10 @@ class TransformerBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attention = Attention(cfg, use_bias=True, rope=False, init=xavier, out_init=xavier,
                                    rngs=rngs)
-        self.norm1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.norm1 = LayerNorm(cfg, rngs=rngs)
         self.mlp = MLP(cfg, activation=jax.nn.relu, use_bias=True, init=xavier, out_init=xavier,
                        rngs=rngs)
-        self.norm2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+        self.norm2 = LayerNorm(cfg, rngs=rngs)
         self.rate = cfg.dropout
 
     def __call__(self, x, positions, kv, key):
@@ -56,7 +57,8 @@ class MiniGPT(DecoderLM):
         # [V, D] like an embedding table: the faster layout for the matmuls of the fused loss,
         # which applies the head to [rows, D] chunks as well as to [B, T, D].
         self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"),
-                            init=xavier, use_bias=True, dtype=cfg.dtype, rngs=rngs)
+                            init=xavier, use_bias=True, dtype=cfg.dtype,
+                            ops=kernels.get(cfg.kernels), rngs=rngs)
 
     def embed(self, tokens, positions, key=None):
         # The tutorial applies no dropout to the embeddings.

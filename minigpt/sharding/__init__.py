@@ -4,8 +4,9 @@ Models name the *logical* role of every array axis ("embed", "mlp", "vocab", ...
 small TOML file in `presets/` that says how the devices form a mesh and which mesh axis each logical
 axis is split over; anything it does not list is replicated. This module loads and validates
 presets, builds the mesh, creates model and optimizer state born sharded (each array is created by a
-compiled function directly on the devices that own it), places batches, and explains a preset as a
-table (`python -m minigpt.sharding --model minigpt --preset fsdp`).
+compiled function directly on the devices that own it), places batches, and describes what each
+device holds. It depends on nothing of ours but the config; the explainer that prints a preset as a
+table (`python -m minigpt.sharding --model minigpt --preset fsdp`) is `minigpt.explain`.
 
 A preset that cannot apply is refused with a `PresetError` before anything is compiled.
 """
@@ -16,7 +17,6 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-import sys
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,13 +25,23 @@ from typing import Any
 import jax
 from flax import nnx
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "presets"
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
 
 # The logical axis vocabulary. Model code uses only these names; presets map them to mesh axes.
 LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers")
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
+
+
+def mesh_axes_in(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec entry (or a rule's target) names: None, "a" or ("a", "b")."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def ways(mesh, entry: MeshAxes) -> int:
+    """Into how many pieces a PartitionSpec entry splits its dimension on this mesh."""
+    return math.prod(mesh.shape[a] for a in mesh_axes_in(entry))
 
 
 class PresetError(ValueError):
@@ -52,10 +62,7 @@ class Preset:
         return logical_to_spec(axes, self.rules)
 
     def mesh_axes_of(self, logical: str) -> tuple[str, ...]:
-        value = dict(self.rules).get(logical)
-        if value is None:
-            return ()
-        return (value,) if isinstance(value, str) else tuple(value)
+        return mesh_axes_in(dict(self.rules).get(logical))
 
 
 def available_presets() -> list[str]:
@@ -174,8 +181,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> j
     used: set[str] = set()
     spec = []
     for name in axes:
-        target = table.get(name) if name else None
-        mesh_axes = () if target is None else (target,) if isinstance(target, str) else target
+        mesh_axes = mesh_axes_in(table.get(name) if name else None)
         if any(a in used for a in mesh_axes):
             mesh_axes = ()
         used.update(mesh_axes)
@@ -205,17 +211,14 @@ def check_divisible(preset: Preset, mesh, abstract_state) -> None:
         if not axes:
             continue
         spec = preset.spec(axes)
-        for dim, (size, mesh_axes) in enumerate(zip(var.shape, spec)):
-            if mesh_axes is None:
-                continue
-            names = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
-            ways = math.prod(mesh.shape[a] for a in names)
-            if size % ways:
+        for dim, (size, entry) in enumerate(zip(var.shape, spec)):
+            n = ways(mesh, entry)
+            if size % n:
                 raise PresetError(
                     f"preset {preset.name!r}: parameter {_path_name(path)} of shape "
                     f"{tuple(var.shape)} splits dimension {dim} ({axes[dim]!r}, size {size}) "
-                    f"over mesh axes {names} of {ways} devices, and {ways} does not divide "
-                    f"{size}; pick a model whose {axes[dim]!r} size divides by {ways} or "
+                    f"over mesh axes {mesh_axes_in(entry)} of {n} devices, and {n} does not "
+                    f"divide {size}; pick a model whose {axes[dim]!r} size divides by {n} or "
                     f"another preset")
 
 
@@ -248,24 +251,20 @@ def create_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
 
 def batch_sharding(preset: Preset, mesh, ndim: int = 2):
     """Sharding of a [batch, ...] array: the batch dimension split as the preset's `batch` rule."""
-    batch_axes = preset.mesh_axes_of("batch")
-    first = None if not batch_axes else batch_axes[0] if len(batch_axes) == 1 else batch_axes
-    return jax.sharding.NamedSharding(mesh, jax.P(first, *([None] * (ndim - 1))))
-
-
-def active_batch_shards() -> int:
-    """Into how many pieces the active preset splits the batch (1 outside a preset)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not _active_rules.get():
-        return 1
-    axes = logical_to_spec(("batch",))[0]
-    names = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(mesh.shape[a] for a in names)
+    return jax.sharding.NamedSharding(mesh, preset.spec(("batch",) + (None,) * (ndim - 1)))
 
 
 def batch_divisor(preset: Preset, mesh) -> int:
     """How many ways the batch dimension is split: global batches must divide by it."""
-    return math.prod(mesh.shape[a] for a in preset.mesh_axes_of("batch"))
+    return ways(mesh, preset.spec(("batch",))[0])
+
+
+def active_ways(logical: str) -> int:
+    """Into how many pieces the active preset splits a logical axis (1 outside a preset)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not _active_rules.get():
+        return 1
+    return ways(mesh, logical_to_spec((logical,))[0])
 
 
 def put_batch(batch: dict[str, Any], sharding) -> dict[str, Any]:
@@ -289,82 +288,8 @@ def describe(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
         axes = (var.get_metadata().get("out_sharding") or ()
                 if isinstance(var, nnx.Variable) else ())
         spec = preset.spec(axes)
-        ways = math.prod(math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s))
-                         for s in spec if s is not None)
+        pieces = math.prod(ways(mesh, entry) for entry in spec)
         nbytes = math.prod(value.shape) * value.dtype.itemsize
         rows.append({"name": _path_name(path), "shape": tuple(value.shape), "axes": tuple(axes),
-                     "spec": spec, "bytes": nbytes, "bytes_per_device": nbytes // ways})
+                     "spec": spec, "bytes": nbytes, "bytes_per_device": nbytes // pieces})
     return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m minigpt.sharding",
-        description="Explain how a preset shards a model: every parameter's logical axes, mesh "
-                    "PartitionSpec and bytes per device.")
-    parser.add_argument("--model", default="minigpt", help="a model name from the zoo")
-    parser.add_argument("--preset", default="fsdp", help="preset name or path to a .toml file")
-    parser.add_argument("--devices", type=int, default=0,
-                        help="simulate this many CPU devices (default: the devices present)")
-    args = parser.parse_args(argv)
-    if args.devices:
-        from minigpt.runtime import set_simulated_devices
-
-        set_simulated_devices(args.devices)
-
-    from minigpt.config import ConfigError, TrainConfig
-    from minigpt.models import build_model, get_config
-    from minigpt.steps import make_optimizer
-
-    try:
-        preset = load_preset(args.preset)
-        cfg = get_config(args.model)
-        mesh = make_mesh(preset)
-    except (PresetError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    def build():
-        model = build_model(cfg, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(build)
-    try:
-        check_divisible(preset, mesh, nnx.state(model))
-    except PresetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    params = describe(preset, mesh, nnx.state(model, nnx.Param))
-    opt = describe(preset, mesh, nnx.state(optimizer))
-
-    mesh_text = " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
-    print(f"model {args.model} under preset {preset.name!r}: {preset.description}")
-    print(f"mesh: {mesh_text} ({mesh.size} {jax.devices()[0].platform} devices)\n")
-    header = ("parameter", "shape", "logical axes", "PartitionSpec", "bytes/device")
-    table = [header] + [(r["name"], "x".join(map(str, r["shape"])),
-                         "(" + ", ".join(str(a) for a in r["axes"]) + ")", str(r["spec"])[1:],
-                         f"{r['bytes_per_device']:,}") for r in params]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        print("  ".join(c.rjust(w) if j == 4 else c.ljust(w)
-                        for j, (c, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
-
-    def total(rows: list[dict[str, Any]], key: str) -> str:
-        return f"{sum(r[key] for r in rows) / 2**20:,.2f} MiB"
-
-    print(f"\nparameters:      {total(params, 'bytes_per_device')} per device "
-          f"(of {total(params, 'bytes')} in all)")
-    print(f"optimizer state: {total(opt, 'bytes_per_device')} per device "
-          f"(of {total(opt, 'bytes')} in all)")
-    return 0
-
-
-if __name__ == "__main__":
-    from minigpt.runtime import relaunch_with_huge_pages
-
-    relaunch_with_huge_pages()
-    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Writing files so that a crash never leaves half of one under its real name.
+
+Every file minigpt writes whole (config.json, meta.json, metrics.jsonl when it is rewritten on
+resume, loss.png) goes to a temporary name beside its destination and is renamed over it only
+once complete; a rename within one directory is atomic, so readers see the old file or the new
+one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces `path`, on failure it is removed.
+
+    The temporary name keeps the destination's suffix (`loss.tmp.png`), so tools that pick a
+    format by suffix, such as matplotlib, still do.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -1,0 +1,275 @@
+"""Kernels: the few operations whose fastest form depends on the backend, each beside a plain one.
+
+Four operations of a train step are written twice. `ReferenceKernels` is the plain form a reader
+recognises (`jax.nn`, `optax`, autodiff does the rest) and what accelerators run. `CpuKernels`
+is tuned for XLA's CPU backend, where profiles of the step showed three costs plain code pays:
+
+- row sums (every bias and norm-scale gradient) run about 100x slower than the equivalent
+  product with a vector of ones, so those gradients are written out as such products;
+- full causal attention materialises [B, N, T, T] scores; attending block by block skips the
+  blocks above the diagonal and keeps each block's scores in cache (2-3x faster);
+- the cross-entropy over a 50k vocabulary dominates a small model's step; a fused, chunked pass
+  never stores the [B, T, V] logits and forms each chunk's gradient while its logits are at hand.
+
+`ModelConfig.kernels` chooses: "reference", "cpu", or "auto" (the default: "cpu" on the CPU
+backend, "reference" elsewhere). This module is the only place in minigpt that asks which backend
+is running. Both forms compute the same function; the tests compare losses and every gradient of
+the two on each architecture, so the accelerator path is checked on a CPU too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from minigpt import sharding
+
+
+def resolve(choice: str) -> str:
+    """The kernels "auto" means here: "cpu" on the CPU backend, "reference" elsewhere."""
+    if choice == "auto":
+        return "cpu" if jax.default_backend() == "cpu" else "reference"
+    return choice
+
+
+def get(choice: str) -> ReferenceKernels:
+    """The kernel set for a `ModelConfig.kernels` value ("auto", "reference" or "cpu")."""
+    return _KERNELS[resolve(choice)]
+
+
+class ReferenceKernels:
+    """Plain JAX: what a reader expects, and what accelerators run."""
+
+    name = "reference"
+
+    def normalize(self, x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float,
+                  center: bool) -> jax.Array:
+        """LayerNorm (center=True) or RMSNorm (center=False) over the last axis, in float32."""
+        x32 = x.astype(jnp.float32)
+        if center:
+            x32 = x32 - x32.mean(-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps) * scale
+        return (y if bias is None else y + bias).astype(x.dtype)
+
+    def add_bias(self, y: jax.Array, bias: jax.Array) -> jax.Array:
+        """y + bias, broadcasting bias [F] over y [..., F]."""
+        return y + bias
+
+    def causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Causal self-attention: q [B, T, N, H], k and v [B, T, K, H], N a multiple of K.
+
+        `jax.nn.dot_product_attention` picks a fused kernel (cuDNN flash attention, ...) where
+        the backend has one.
+        """
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    def cross_entropy(self, model: nnx.Module, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy of `model.logits` on features x [B, T, D]."""
+        return cross_entropy(model.logits(x), targets)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy; logits [B, T, V] float32 (padding at -inf), targets [B, T] int."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+class CpuKernels(ReferenceKernels):
+    """The same functions, shaped for XLA's CPU backend (see the module docstring)."""
+
+    name = "cpu"
+
+    def normalize(self, x, scale, bias, eps, center):
+        return _normalize(x, scale, bias, eps, center)
+
+    def add_bias(self, y, bias):
+        return _add_bias(y, bias)
+
+    def causal_attention(self, q, k, v):
+        T = q.shape[1]
+        if T % ATTENTION_BLOCK or T == ATTENTION_BLOCK:
+            return super().causal_attention(q, k, v)
+        return _blocked_causal_attention(q, k, v)
+
+    def cross_entropy(self, model, x, targets):
+        return fused_cross_entropy(model, x, targets)
+
+
+# Row sums as products -----------------------------------------------------------------------
+
+
+def _sum_rows(x: jax.Array) -> jax.Array:
+    """Sum x [..., F] over every leading axis, as a matrix-vector product with ones."""
+    rows = x.reshape(-1, x.shape[-1])  # [R, F]
+    ones = jnp.ones((rows.shape[0],), rows.dtype)
+    return jnp.dot(ones, rows, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _normalize(x, scale, bias, eps, center):
+    """ReferenceKernels.normalize with the backward pass written out: it materialises the
+    incoming gradient once and sums the parameter gradients with `_sum_rows`. Left to autodiff,
+    XLA's CPU backend fused the elementwise backward chain of every later layer into each of
+    these sums and recomputed it, a cost that grew with depth."""
+    return _normalize_fwd(x, scale, bias, eps, center)[0]
+
+
+def _normalize_fwd(x, scale, bias, eps, center):
+    x32 = x.astype(jnp.float32)
+    if center:
+        x32 = x32 - x32.mean(-1, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + eps)  # [..., 1]
+    normed = x32 * rstd
+    y = normed * scale if bias is None else normed * scale + bias
+    return y.astype(x.dtype), (normed, rstd, scale, bias, jnp.zeros((), x.dtype))
+
+
+def _normalize_bwd(eps, center, residuals, g):
+    normed, rstd, scale, bias, like_x = residuals  # like_x: a scalar of x's dtype
+    g = jax.lax.optimization_barrier(g.astype(jnp.float32))
+    d_scale = _sum_rows(g * normed).astype(scale.dtype)
+    d_bias = None if bias is None else _sum_rows(g).astype(bias.dtype)
+    g_normed = g * scale
+    d_x = g_normed - normed * jnp.mean(g_normed * normed, axis=-1, keepdims=True)
+    if center:
+        d_x = d_x - jnp.mean(g_normed, axis=-1, keepdims=True)
+    return (d_x * rstd).astype(like_x.dtype), d_scale, d_bias
+
+
+_normalize.defvjp(_normalize_fwd, _normalize_bwd)
+
+
+@jax.custom_vjp
+def _add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+    return y + bias
+
+
+def _add_bias_fwd(y, bias):
+    return y + bias, bias
+
+
+def _add_bias_bwd(bias, g):
+    g = jax.lax.optimization_barrier(g)  # as in _normalize_bwd
+    return g, _sum_rows(g).astype(bias.dtype)
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+# Blocked causal attention -------------------------------------------------------------------
+
+# Query block length: score blocks of [64, <=T] stay in cache.
+ATTENTION_BLOCK = 64
+
+
+def _blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention one block of 64 queries at a time, each against the keys up to its end."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G, bq = N // K, ATTENTION_BLOCK
+    q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4) * (H ** -0.5)  # [B, K, G, T, H]
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    blocks = []
+    for start in range(0, T, bq):
+        end = start + bq
+        scores = jnp.einsum("bkgth,bksh->bkgts", q[:, :, :, start:end], k[:, :, :end])
+        visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # [t, s]
+        scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        blocks.append(jnp.einsum("bkgts,bksh->bkgth", probs, v[:, :, :end]))
+    out = jnp.concatenate(blocks, axis=3)  # [B, K, G, T, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
+# Fused, chunked cross-entropy ---------------------------------------------------------------
+
+# Tokens per chunk of the fused loss: [chunk, V] float32 logits stay around 100 MB for GPT-2's
+# vocabulary, small enough to be cheap to revisit, large enough for efficient matmuls.
+LOSS_CHUNK_TOKENS = 512
+
+
+def _chunk_len(batch: int, seq: int) -> int:
+    """The longest sequence chunk c dividing seq with batch * c <= LOSS_CHUNK_TOKENS (>= 1)."""
+    return max([c for c in range(1, seq + 1) if seq % c == 0 and batch * c <= LOSS_CHUNK_TOKENS]
+               or [1])
+
+
+def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of the model's output head applied to features x [B, T, D].
+
+    Equal to cross_entropy(model.logits(x), targets), but never holds the [B, T, V] logits:
+    the head runs chunk by chunk along the sequence, and each chunk's gradient (softmax minus
+    the one-hot target, pulled back through the head) is formed while its logits are at hand.
+    That is three matmuls per chunk, as plain autodiff needs, and two passes over the logits
+    instead of about six. Chunks split the sequence, not the batch, so batch sharding holds.
+    """
+    graphdef, state = nnx.split(model)
+
+    def chunk_logits(state, xc):
+        return nnx.merge(graphdef, state).logits(xc)  # [R, V]
+
+    B, T, _ = x.shape
+    return _fused_ce(chunk_logits, T // _chunk_len(B, T), sharding.active_ways("batch"),
+                     state, x, targets)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_ce(chunk_logits, chunks, shards, state, x, targets):
+    return _fused_ce_fwd(chunk_logits, chunks, shards, state, x, targets)[0]
+
+
+def _fused_ce_fwd(chunk_logits, chunks, shards, state, x, targets):
+    B, T, D = x.shape
+    c, S = T // chunks, shards
+    # [n, S, B*c/S, D]: each chunk flattened to rows (so the head's matmuls are plain 2-D) and
+    # grouped by batch shard S. Each shard accumulates its own partial parameter gradient in
+    # the loop; they are summed once at the end, instead of one all-reduce per chunk.
+    xs = jnp.swapaxes(x.reshape(B, chunks, c, D), 0, 1).reshape(chunks, S, B * c // S, D)
+    ts = jnp.swapaxes(targets.reshape(B, chunks, c), 0, 1).reshape(chunks, S, B * c // S)
+    xs = sharding.constrain(xs, (None, "batch", None, None))
+    ts = sharding.constrain(ts, (None, "batch", None))
+
+    def shard_chunk(state, xc, tc):
+        logits, pull_back = jax.vjp(chunk_logits, state, xc)  # [R, V]
+        top = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
+        # Exponentials once, kept: the compiler would otherwise compute them twice, for the
+        # normaliser and for the softmax, and exp is the costliest elementwise op here.
+        e = jax.lax.optimization_barrier(jnp.exp(logits - top))  # [R, V]
+        total = jnp.sum(e, axis=-1, keepdims=True)  # [R, 1]
+        target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)  # [R, 1]
+        loss = jnp.sum(top + jnp.log(total) - target_logit)
+        d_logits = e / total - jax.nn.one_hot(tc, logits.shape[-1])
+        d_state, d_xc = pull_back(d_logits)
+        return loss, d_state, d_xc
+
+    def one_chunk(carry, inputs):
+        loss_s, d_state_s, d_xc = jax.vmap(shard_chunk, in_axes=(None, 0, 0))(state, *inputs)
+        return jax.tree.map(jnp.add, carry, (loss_s, d_state_s)), d_xc
+
+    def per_shard_zeros(var):
+        axes = var.get_metadata().get("out_sharding") or (None,) * var.ndim
+        zeros = jnp.zeros((S, *var.shape), var.dtype)
+        return var.replace(sharding.constrain(zeros, ("batch", *axes)))
+
+    zeros = jax.tree.map(per_shard_zeros, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    losses = sharding.constrain(jnp.zeros((S,), jnp.float32), ("batch",))
+    (loss, d_state), d_xs = jax.lax.scan(one_chunk, (losses, zeros), (xs, ts))
+    loss, d_state = jax.tree.map(lambda d: jnp.sum(d, axis=0), (loss, d_state))
+    d_x = jnp.swapaxes(d_xs.reshape(chunks, B, c, D), 0, 1).reshape(B, T, D)
+    count = B * T
+    return loss / count, (d_state, d_x, count)
+
+
+def _fused_ce_bwd(chunk_logits, chunks, shards, residuals, g):
+    d_state, d_x, count = residuals
+    scale = g / count
+    return (jax.tree.map(lambda d: d * scale, d_state), (d_x * scale).astype(d_x.dtype), None)
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+
+_KERNELS: dict[str, ReferenceKernels] = {"reference": ReferenceKernels(), "cpu": CpuKernels()}

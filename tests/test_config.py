@@ -1,0 +1,100 @@
+"""Configuration: invariants refused at construction, --set overrides parsed by declared type,
+config.json written atomically and read back, damaged or foreign files refused clearly."""
+
+import dataclasses
+import json
+
+import pytest
+
+from minigpt.config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    apply_overrides,
+    load_run_config,
+    model_config_from_dict,
+    parse_step_range,
+    save_run_config,
+)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(embed_dim=100, num_heads=8), "embed_dim (100) must be divisible by model.num_heads (8)"),
+    (dict(num_heads=8, num_kv_heads=3), "multiple of model.num_kv_heads (3)"),
+    (dict(dropout=1.0), "model.dropout must be in [0, 1)"),
+    (dict(dtype="float16"), "model.dtype must be one of"),
+    (dict(num_layers=0), "model.num_layers must be positive, got 0"),
+])
+def test_model_config_refuses_what_cannot_build(changes, message):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**changes)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(batch_size=12, microbatches=5), "train.batch_size (12) must be divisible by"),
+    (dict(steps=0), "train.steps must be positive, got 0"),
+    (dict(lr=0.0), "train.lr must be > 0"),
+    (dict(seq_len=-1), "train.seq_len must be >= 0"),
+    (dict(profile_steps="5:2"), "must satisfy 0 <= a < b"),
+])
+def test_train_config_refuses_bad_values(changes, message):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(**changes)
+    assert message in str(e.value)
+
+
+def test_model_config_derives_heads_and_padded_vocabulary():
+    cfg = ModelConfig(vocab_size=50257, embed_dim=256, num_heads=8, num_kv_heads=2)
+    assert (cfg.head_dim, cfg.kv_heads, cfg.padded_vocab) == (32, 2, 50304)
+    assert ModelConfig(num_kv_heads=0).kv_heads == ModelConfig().num_heads
+
+
+def test_overrides_are_parsed_by_the_declared_type_and_scope():
+    model, train = apply_overrides(ModelConfig(), TrainConfig(), [
+        "dropout=0", "model.remat=yes", "train.lr=3e-4", "steps=7", "data=a.txt,b.txt",
+        "train.profile_steps=1:3"])
+    assert (model.dropout, model.remat) == (0.0, True)
+    assert (train.lr, train.steps, train.data, train.profile_steps) == (
+        3e-4, 7, ("a.txt", "b.txt"), "1:3")
+    assert parse_step_range("1:3") == (1, 3)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("colour=blue", "unknown field 'colour'"),
+    ("model.lr=1", "unknown field 'model.lr'"),
+    ("steps", "expects key=value"),
+    ("remat=maybe", "expected true or false, got 'maybe'"),
+    ("steps=many", "expected int, got 'many'"),
+])
+def test_bad_overrides_say_what_is_wrong(item, message):
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(ModelConfig(), TrainConfig(), [item])
+    assert message in str(e.value)
+
+
+def test_run_config_round_trips_and_leaves_no_temporary_file(tmp_path):
+    model, train = ModelConfig(num_layers=3), TrainConfig(steps=9, data=("x.txt",))
+    path = tmp_path / "config.json"
+    save_run_config(path, model, train, preset="dp", tokenizer="gpt2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    saved = load_run_config(path)
+    assert saved["model"] == model and saved["preset"] == "dp"
+    assert TrainConfig(**{**saved["train"], "data": tuple(saved["train"]["data"])}) == train
+
+
+def test_damaged_missing_and_foreign_run_configs_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="is this a minigpt run directory"):
+        load_run_config(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text('{"model": {"arch": "minigpt"')
+    with pytest.raises(ConfigError, match="not valid JSON.*damaged"):
+        load_run_config(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match=r"unknown model config fields \['wings'\]"):
+        model_config_from_dict({**dataclasses.asdict(ModelConfig()), "wings": 2})
+
+
+def test_a_config_json_without_newer_fields_still_loads(tmp_path):
+    values = dataclasses.asdict(ModelConfig())
+    del values["kernels"]  # written before the field existed
+    (tmp_path / "config.json").write_text(json.dumps({"model": values, "train": {}}))
+    assert load_run_config(tmp_path / "config.json")["model"].kernels == "auto"

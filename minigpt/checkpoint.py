@@ -3,15 +3,21 @@
 A checkpoint holds the model, the optimizer (its step count included), the data iterator's
 position and the run's random key: everything needed to continue exactly. Orbax writes each one to
 a temporary directory and renames it when complete, so a crash never leaves a half-written
-checkpoint under a step's name. Saving is asynchronous: training goes on while the arrays are
-written.
+checkpoint under a step's name; a temporary directory an interrupted save left behind is never
+restored, and a writing Checkpointer removes it (and says so). Saving is asynchronous: training
+goes on while the arrays are written.
 
 Restoring reads each array straight into the sharding of the objects passed in, so a run saved
-under one preset or device count continues under another.
+under one preset or device count continues under another. A checkpoint that cannot be read (a
+disk garbled it, a copy was cut short) is skipped for the newest one that reads cleanly; the
+caller is told which were skipped and why, and their files are left as they are (`set_aside`
+moves one out of the way of new saves without deleting anything).
 """
 
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+
+# Orbax writes a checkpoint to `<step>.orbax-checkpoint-tmp-<time>` and renames it when complete.
+TEMPORARY_MARK = ".orbax-checkpoint-tmp-"
 
 
 class CheckpointError(RuntimeError):
@@ -31,18 +40,34 @@ def _restore_target(obj: Any):
                         nnx.state(obj))
 
 
+def _gist(error: BaseException) -> str:
+    """The first line of the innermost cause: Orbax wraps what TensorStore or the file system
+    said in long messages of its own."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else 'no details'}"
+
+
 class Checkpointer:
-    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+    """Save and restore a run's checkpoints. `read_only` opens them for generation: nothing is
+    created, cleaned or written."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
         self.directory = Path(directory).absolute()
+        # Temporary directories left by interrupted saves; a writing manager removes them.
+        self.leftovers = sorted(p.name for p in self.directory.glob(f"*{TEMPORARY_MARK}*"))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+            max_to_keep=keep, create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        return sorted(self._manager.all_steps())
 
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, *,
              data_state: dict[str, Any], rng: jax.Array, force: bool = False) -> bool:
@@ -60,13 +85,29 @@ class Checkpointer:
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None,
                 step: int | None = None) -> dict[str, Any]:
-        """Load a checkpoint (default: the latest) into `model` (and `optimizer`) in place.
+        """Load a checkpoint into `model` (and `optimizer`) in place.
 
-        Returns {"step", "rng", "data_state"}; without an optimizer only the model is read.
+        Without `step`, the newest checkpoint that reads cleanly: newer ones that cannot be read
+        are listed in the result's "skipped" as (step, why). Returns {"step", "rng", "skipped",
+        and with an optimizer "data_state"}; without an optimizer only the model is read.
         """
-        step = self.latest_step() if step is None else step
-        if step is None:
+        steps = [step] if step is not None else self.all_steps()[::-1]
+        if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
+        skipped = []
+        for candidate in steps:
+            try:
+                result = self._restore(candidate, model, optimizer)
+            except CheckpointError as error:
+                skipped.append((candidate, str(error)))
+                continue
+            return {**result, "skipped": skipped}
+        reasons = "; ".join(f"step {s}: {why}" for s, why in skipped)
+        raise CheckpointError(
+            f"no checkpoint in {self.directory} can be read ({reasons}): they are damaged or "
+            f"from an incompatible model; their files are left as they are")
+
+    def _restore(self, step: int, model, optimizer) -> dict[str, Any]:
         items = {"model": ocp.args.StandardRestore(_restore_target(model)),
                  "meta": ocp.args.JsonRestore()}
         if optimizer is not None:
@@ -74,20 +115,32 @@ class Checkpointer:
             items["data"] = ocp.args.JsonRestore()
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        except (FileNotFoundError, ValueError, KeyError, OSError) as e:
-            raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} cannot be read ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); it is damaged or from an "
-                f"incompatible model. Delete that step's directory to use an earlier one."
-            ) from e
+            rng = jax.random.wrap_key_data(np.asarray(restored["meta"]["rng"], dtype=np.uint32))
+            result = {"step": int(restored["meta"]["step"]), "rng": rng}
+        except Exception as error:  # Orbax and TensorStore raise many kinds for unreadable files
+            raise CheckpointError(_gist(error)) from error
+        # Only a checkpoint that was read whole reaches the model.
         nnx.update(model, restored["model"])
-        result = {"step": int(restored["meta"]["step"]),
-                  "rng": jax.random.wrap_key_data(
-                      np.asarray(restored["meta"]["rng"], dtype=np.uint32))}
         if optimizer is not None:
             nnx.update(optimizer, restored["optimizer"])
             result["data_state"] = restored["data"]
         return result
+
+    def set_aside(self, step: int, destination: str | Path) -> Path:
+        """Move a step's checkpoint to `destination/<step>` (never deleting or overwriting), so
+        that new saves of that step can be written; returns where it went."""
+        destination = Path(destination)
+        destination.mkdir(parents=True, exist_ok=True)
+        target = destination / str(step)
+        if target.exists():
+            target = destination / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        shutil.move(self.directory / str(step), target)
+        self.reload()
+        return target
+
+    def reload(self) -> None:
+        """Read the list of checkpoints from disk again (after another process changed it)."""
+        self._manager.reload()
 
     def wait(self) -> None:
         """Block until pending asynchronous saves are on disk."""

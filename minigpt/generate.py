@@ -103,6 +103,28 @@ def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Ar
     return out
 
 
+def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens: int,
+                  temperature: float, top_k: int, top_p: float, has_rng: bool) -> int:
+    """Refuse what the model cannot serve (GenerationError); return how many new tokens fit.
+
+    Callers that show the prompt before its continuation check first, so that a refused
+    prompt is never echoed.
+    """
+    if not prompt_lengths or min(prompt_lengths) == 0:
+        raise GenerationError("every prompt needs at least one token")
+    longest = max(prompt_lengths)
+    if longest > context - 1:
+        raise GenerationError(
+            f"the prompt has {longest} tokens but the model's context is {context}: shorten it "
+            f"to at most {context - 1} tokens to leave room for a new one")
+    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0 or max_new_tokens < 1:
+        raise GenerationError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and "
+                              "max_new_tokens >= 1")
+    if temperature > 0 and not has_rng:
+        raise GenerationError("sampling with temperature > 0 needs an rng key (or a --seed)")
+    return min(max_new_tokens, context - longest)
+
+
 def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
                     max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
                     top_p: float = 1.0, rng: jax.Array | None = None, eot_id: int | None = None,
@@ -112,19 +134,10 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
     `on_token`, if given, receives each step's tokens [B] as they are drawn (for streaming).
     """
     context = model.config.context_len
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise GenerationError("every prompt needs at least one token")
+    max_new = check_request(context, [len(p) for p in prompts], max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p,
+                            has_rng=rng is not None)
     longest = max(len(p) for p in prompts)
-    if longest > context - 1:
-        raise GenerationError(
-            f"the prompt has {longest} tokens but the model's context is {context}: shorten it "
-            f"to at most {context - 1} tokens to leave room for a new one")
-    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0 or max_new_tokens < 1:
-        raise GenerationError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and "
-                              "max_new_tokens >= 1")
-    if temperature > 0 and rng is None:
-        raise GenerationError("sampling with temperature > 0 needs an rng key (or a --seed)")
-    max_new = min(max_new_tokens, context - longest)
     if max_new < max_new_tokens:
         warnings.warn(f"max_new_tokens cut from {max_new_tokens} to {max_new}: the longest "
                       f"prompt ({longest} tokens) and the new tokens must fit the model's "
@@ -234,7 +247,10 @@ def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_token
 
 
 def load_for_generation(run: str | Path, preset_name: str = "dp"):
-    """Restore a run's latest model weights (no optimizer state) under a preset."""
+    """Restore a run's latest model weights (no optimizer state) under a preset.
+
+    A latest checkpoint that cannot be read is skipped, with a warning, for the newest that can.
+    """
     run = Path(run)
     if not run.is_dir():
         raise GenerationError(f"run directory {run} does not exist")
@@ -250,16 +266,18 @@ def load_for_generation(run: str | Path, preset_name: str = "dp"):
             f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
     if not (run / "checkpoints").is_dir():
         raise GenerationError(f"{run} holds no checkpoints/ directory: train it first")
-    checkpointer = Checkpointer(run / "checkpoints")
-    step = checkpointer.latest_step()
-    if step is None:
+    checkpointer = Checkpointer(run / "checkpoints", read_only=True)
+    if checkpointer.latest_step() is None:
         raise GenerationError(f"{run / 'checkpoints'} holds no checkpoint yet")
     preset = sharding.load_preset(preset_name)
     mesh = sharding.make_mesh(preset)
     model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), preset, mesh)
-    checkpointer.restore(model, step=step)
+    restored = checkpointer.restore(model)
     checkpointer.close()
-    return model, tokenizer, preset, mesh, step
+    for step, why in restored["skipped"]:
+        warnings.warn(f"checkpoint {step} of {run} cannot be read ({why}); using step "
+                      f"{restored['step']}, the newest that can", stacklevel=2)
+    return model, tokenizer, preset, mesh, restored["step"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -283,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = [args.prompt] * args.num_samples
         rng = jax.random.key(args.seed)
         stream = args.num_samples == 1
+        check_request(model.config.context_len, [len(tokenizer.encode_ordinary(args.prompt))],
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, has_rng=True)
         with sharding.use_preset(preset, mesh):
             if stream:
                 print(args.prompt, end="", flush=True)

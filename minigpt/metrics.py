@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,25 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every complete record of a metrics.jsonl file.
+
+    A process killed while appending leaves a torn last line; such a line is left out with a
+    warning, and every complete record is kept.
+    """
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+        else:
+            warnings.warn(f"{path}, line {number}: not a complete record (a run stopped while "
+                          f"writing it); left out", stacklevel=2)
+    return records
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path) -> None:

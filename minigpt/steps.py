@@ -20,6 +20,7 @@ from flax import nnx
 from minigpt import kernels
 from minigpt.config import TrainConfig
 from minigpt.models import DecoderLM
+from minigpt.models.layers import DECAYED_PARAMETERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,18 @@ def lr_schedule(cfg: TrainConfig) -> LRSchedule:
                       decay_end=cfg.decay_steps or cfg.steps)
 
 
+def decays(path: tuple) -> bool:
+    """Whether weight decay applies to the parameter at this pytree path: weight matrices and
+    embedding tables (the layers name them `kernel` and `table`) decay, biases and norm scales
+    never, whatever their shape (a head bias is [heads, head_dim]; a stacked norm scale is
+    [layers, embed])."""
+    name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
+    return name in DECAYED_PARAMETERS
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """AdamW after global-norm clipping; matrices decay, biases and norm scales do not."""
+    """AdamW after global-norm clipping; matrices and tables decay, biases and norm scales do
+    not (`decays`)."""
     return _adamw(lr_schedule(cfg), cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip)
 
 
@@ -60,7 +71,7 @@ def _adamw(schedule: LRSchedule, b1: float, b2: float, weight_decay: float,
     # Cached: the optimizer object is part of what a compiled step is keyed on, so equal
     # settings must give the identical object to reuse a compilation.
     def decay_mask(params):
-        return jax.tree.map(lambda p: p.ndim >= 2, params)
+        return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
     return optax.chain(
         optax.clip_by_global_norm(clip),

@@ -141,18 +141,31 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool) -
                              batch_size=train_cfg.batch_size, seed=train_cfg.seed,
                              process_index=jax.process_index(),
                              process_count=jax.process_count())
+    checkpointer = Checkpointer(checkpoints, keep=train_cfg.keep_checkpoints)
+    for name in checkpointer.leftovers:
+        log(f"removed {checkpoints / name}: an incomplete checkpoint an interrupted save left")
     return Run(model_cfg=model_cfg, train_cfg=train_cfg, out=out, seq_len=seq_len,
                preset=preset, mesh=mesh, data_dir=data_dir,
                tokenizer=load_meta(data_dir)["tokenizer"], model=model, optimizer=optimizer,
-               checkpointer=Checkpointer(checkpoints, keep=train_cfg.keep_checkpoints),
-               batches=batches, rng=jax.random.key(train_cfg.seed))
+               checkpointer=checkpointer, batches=batches, rng=jax.random.key(train_cfg.seed))
 
 
 def restore(run: Run) -> None:
-    """Continue from the latest checkpoint: weights, optimizer, step, key and data position."""
+    """Continue from the newest checkpoint that reads cleanly: weights, optimizer, step, key and
+    data position. Newer ones that cannot be read are moved, unchanged, to
+    `<run>/damaged-checkpoints/` so that the steps they held can be saved again."""
     restored = run.checkpointer.restore(run.model, run.optimizer)
     run.step, run.rng = restored["step"], restored["rng"]
     run.batches.set_state(restored["data_state"])
+    for step, why in restored["skipped"]:
+        damaged = run.out / "damaged-checkpoints"
+        if run.is_writer:
+            damaged = run.checkpointer.set_aside(step, damaged)
+        log(f"warning: checkpoint {step} cannot be read ({why}); skipped it. Its files are "
+            f"kept, unchanged, in {damaged}")
+    if restored["skipped"] and jax.process_count() > 1:
+        multihost_utils.sync_global_devices("minigpt: damaged checkpoints set aside")
+        run.checkpointer.reload()
     log(f"resumed from {run.checkpointer.directory / str(run.step)} at step {run.step}")
 
 
@@ -222,6 +235,7 @@ def _save_and_evaluate(run: Run, metrics, put, recorder: _Recorder) -> None:
     if not (save or evaluate_now):
         return
     jax.block_until_ready(metrics)  # the step's own time stays in its timing
+    recorder.check_finite(done, metrics)  # never save a diverged state
     with recorder.timer.pause():
         if save:
             _save(run)
@@ -256,7 +270,7 @@ def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
         with sharding.use_preset(run.preset, run.mesh):
             story = generate(run.model, load_tokenizer(run.tokenizer), ["Once upon a time"],
                              max_new_tokens=100, temperature=0.8, top_k=50,
-                             rng=jax.random.key(0))[0]
+                             rng=jax.random.key(run.train_cfg.seed))[0]
         log(f"sample:\n{story}")
     return summary
 
@@ -272,11 +286,17 @@ def _prepare_data(train_cfg: TrainConfig) -> Path:
     return data_dir or resolve_data(train_cfg.data, train_cfg.data_root)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being a finite number; the message says what to do."""
+
+
 class _Recorder:
-    """Turns each step's device metrics into a metrics.jsonl record and the progress bar."""
+    """Turns each step's device metrics into a metrics.jsonl record and the progress bar, and
+    stops the run at the first non-finite loss or gradient norm."""
 
     def __init__(self, run: Run):
         cfg = run.train_cfg
+        self.run = run
         self.tokens_per_step = cfg.batch_size * run.seq_len
         self.peak, peak_source = device_peak(run.model_cfg.dtype)
         self.flops = flops_per_token(run.model_cfg, run.seq_len)
@@ -289,8 +309,27 @@ class _Recorder:
             f"{self.tokens_per_step:,} tokens/step; MFU against {self.peak / 1e12:.2f} "
             f"TFLOP/s per device ({peak_source})")
 
-    def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
+    def check_finite(self, step: int, metrics: dict[str, jax.Array]) -> dict[str, float]:
+        """The step's metrics as floats; a non-finite loss or gradient norm is logged and
+        raised as TrainingDiverged."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"]):
+            return values
+        self.log.write({"step": step, **values})
+        run, cfg = self.run, self.run.train_cfg
+        last = run.checkpointer.latest_step()
+        kept = (f"the latest checkpoint is still step {last}; nothing after it was saved"
+                if last is not None else "no checkpoint was saved")
+        raise TrainingDiverged(
+            f"step {step}: the loss is {values['loss']} and the gradient norm "
+            f"{values['grad_norm']}: training diverged and stopped ({kept}). Likely causes: a "
+            f"learning rate too high for this model and batch (peak lr {cfg.lr:g}), too short a "
+            f"warm-up ({cfg.warmup_steps} steps) or overflow in {run.model_cfg.dtype}. Continue "
+            f"with a lower rate: python -m minigpt.train --out {run.out} --resume "
+            f"--lr {cfg.lr / 10:g}")
+
+    def record(self, step: int, metrics: dict[str, jax.Array]) -> None:
+        values = self.check_finite(step, metrics)
         elapsed = self.timer.lap()
         entry = {"step": step, **values}
         if elapsed is not None:
@@ -476,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, sharding.PresetError, CheckpointError, DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     return 130 if summary["interrupted"] else 0
 
 

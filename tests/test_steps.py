@@ -162,3 +162,34 @@ def test_bfloat16_compute_keeps_float32_parameters_and_close_loss():
                    if jnp.issubdtype(v.dtype, jnp.floating))
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=1e-2)
     assert losses["bfloat16"] != losses["float32"]  # bf16 really was used
+
+
+# Weight decay: which parameters decay, written out per model. Weight matrices and embedding
+# tables do; biases (also the [heads, head_dim] ones) and norm scales never do, also when the
+# layers are stacked into [layers, ...] arrays.
+_ATTENTION = ["attention.query.kernel", "attention.key.kernel", "attention.value.kernel",
+              "attention.out.kernel"]
+DECAYED = {
+    "minigpt-tiny": (["tokens.table", "positions.table", "output.kernel"],
+                     _ATTENTION + ["mlp.up.kernel", "mlp.down.kernel"]),
+    "gpt2-tiny": (["tokens.table", "positions.table"],
+                  _ATTENTION + ["mlp.up.kernel", "mlp.down.kernel"]),
+    "llama-tiny": (["tokens.table", "output.kernel"],
+                   _ATTENTION + ["mlp.gate.kernel", "mlp.up.kernel", "mlp.down.kernel"]),
+}
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("model_name", sorted(DECAYED))
+def test_weight_decay_reaches_exactly_the_weight_matrices_and_tables(model_name, scan):
+    cfg = dataclasses.replace(get_config(model_name), scan_layers=scan)
+    model, optimizer = build(cfg, TrainConfig(weight_decay=0.5, lr=0.1, warmup_steps=0))
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(jnp.ones_like, params))  # so that any decay shows
+    # Zero gradients: Adam moves nothing, so whatever changes was decayed.
+    nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, jax.tree.map(jnp.zeros_like, params))
+    changed = sorted(".".join(map(str, path)) for path, v in nnx.to_flat_state(
+        nnx.state(model, nnx.Param)) if not np.all(np.asarray(v.get_value()) == 1.0))
+    top, per_layer = DECAYED[model_name]
+    layers = ["blocks.layers."] if scan else [f"blocks.layers.{i}." for i in range(2)]
+    assert changed == sorted(top + [prefix + name for prefix in layers for name in per_layer])

@@ -139,6 +139,11 @@ def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
     assert capsys.readouterr().out.startswith("Once upon a time")
     assert generate.main(["--run", str(out), "--max-new-tokens", "5", "--num-samples", "2"]) == 0
     assert capsys.readouterr().out.count("--- sample") == 2
+    # A prompt the model cannot take is refused before anything is printed.
+    assert generate.main(["--run", str(out), "--prompt", "word " * 200]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.startswith("error: the prompt has ")
+    assert printed.err.count("\n") == 1
 
 
 def test_a_profile_range_past_the_last_step_still_closes_its_trace(config):

@@ -27,6 +27,10 @@ Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 ACTIVATION_AXES = ("batch", "seq", "embed")  # [B, T, D] between layers
 
+# The layers name every weight matrix `kernel` and every lookup table `table`; biases are `bias`
+# and norm scales `scale`. Weight decay goes by these names (minigpt.steps.decays).
+DECAYED_PARAMETERS = ("kernel", "table")
+
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...],
           axes: tuple[str | None, ...]) -> nnx.Param:

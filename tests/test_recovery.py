@@ -1,0 +1,166 @@
+"""What really goes wrong in a long run, made to happen for real: a torn metrics line, a latest
+checkpoint garbled on disk, a save interrupted mid-write, a learning rate that diverges. None of
+them may cost the run, or overwrite what is good."""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from minigpt import generate, train
+from minigpt.checkpoint import TEMPORARY_MARK, Checkpointer, CheckpointError
+from minigpt.config import ConfigError, TrainConfig
+from minigpt.data import resolve_data
+from minigpt.models import build_model, get_config
+
+MODEL = get_config("minigpt-tiny")
+
+
+@pytest.fixture(scope="module")
+def data_dir(stories_file, tmp_path_factory, gpt2):
+    return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture
+def config(data_dir, tmp_path):
+    return TrainConfig(preset="fsdp", model="minigpt-tiny", data=(str(data_dir),),
+                       out=str(tmp_path / "run"), steps=6, decay_steps=8, batch_size=8,
+                       seq_len=32, lr=3e-3, warmup_steps=2, eval_every=100, eval_batches=1,
+                       save_every=2, log_every=1)
+
+
+def losses(run_dir) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").open())
+            if "loss" in r]
+
+
+def files_digest(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def garble(checkpoint: Path) -> None:
+    """Overwrite every array file of a checkpoint with random bytes of the same length."""
+    data_files = [p for p in checkpoint.rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data_files
+    rng = np.random.default_rng(0)
+    for path in data_files:
+        path.write_bytes(rng.bytes(path.stat().st_size))
+
+
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """Losses of 8 uninterrupted steps: what every recovered run must reproduce."""
+    out = tmp_path_factory.mktemp("straight")
+    cfg = TrainConfig(preset="fsdp", model="minigpt-tiny", data=(str(data_dir),),
+                      out=str(out / "run"), steps=8, decay_steps=8, batch_size=8, seq_len=32,
+                      lr=3e-3, warmup_steps=2, eval_every=100, eval_batches=1, save_every=2,
+                      log_every=1)
+    train.train(MODEL, cfg, sample=False)
+    return losses(out / "run")
+
+
+def test_a_torn_last_metrics_line_does_not_block_resume(config, straight):
+    train.train(MODEL, config, sample=False)
+    metrics = Path(config.out) / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 7, "grad_norm": 0.5, "lo')  # killed mid-append
+    with pytest.warns(UserWarning, match=r"metrics.jsonl, line 8: not a complete record"):
+        train.train(MODEL, dataclasses.replace(config, steps=8), resume=True, sample=False)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]  # all parse
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
+    assert losses(config.out) == straight
+
+
+def test_resume_falls_back_past_a_garbled_latest_checkpoint(config, straight, capsys):
+    train.train(MODEL, config, sample=False)
+    checkpoints = Path(config.out) / "checkpoints"
+    garble(checkpoints / "6")
+    damaged = files_digest(checkpoints / "6")
+    summary = train.train(MODEL, dataclasses.replace(config, steps=8), resume=True,
+                          sample=False)
+    out = capsys.readouterr().out
+    assert "warning: checkpoint 6 cannot be read (ValueError: " in out
+    assert "resumed from" in out and out.strip().endswith(str(checkpoints / "8"))
+    assert summary["step"] == 8
+    # The damaged files are kept byte for byte, out of the way of the new save of step 6.
+    set_aside = Path(config.out) / "damaged-checkpoints" / "6"
+    assert files_digest(set_aside) == damaged
+    assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [4, 6, 8]
+    assert losses(config.out) == straight  # steps 5..8 rerun exactly from step 4
+
+
+def test_generation_skips_a_garbled_latest_checkpoint_and_touches_nothing(config):
+    train.train(MODEL, config, sample=False)
+    checkpoints = Path(config.out) / "checkpoints"
+    garble(checkpoints / "6")
+    before = files_digest(checkpoints)
+    with pytest.warns(UserWarning, match="checkpoint 6 of .* cannot be read .* using step 4"):
+        model, *_, step = generate.load_for_generation(config.out)
+    assert step == 4 and files_digest(checkpoints) == before
+    for name in ("4", "2"):
+        garble(checkpoints / name)
+    with pytest.raises(CheckpointError, match="no checkpoint in .* can be read .*step 6.*step 2"):
+        generate.load_for_generation(config.out)
+
+
+def test_a_save_interrupted_mid_write_is_never_restored(config, straight, capsys):
+    train.train(MODEL, dataclasses.replace(config, steps=4), sample=False)
+    checkpoints = Path(config.out) / "checkpoints"
+    leftover = checkpoints / f"6{TEMPORARY_MARK}1700000000"
+    shutil.copytree(checkpoints / "4", leftover)  # looks like a checkpoint, but was never done
+    assert Checkpointer(checkpoints, read_only=True).all_steps() == [2, 4]
+    train.train(MODEL, dataclasses.replace(config, steps=8), resume=True, sample=False)
+    out = capsys.readouterr().out
+    assert f"removed {leftover}: an incomplete checkpoint" in out
+    assert "at step 4" in out and not leftover.exists()
+    assert losses(config.out) == straight
+
+
+def test_a_diverging_run_stops_at_once_and_keeps_its_last_good_checkpoint(config, capsys):
+    cfg = dataclasses.replace(config, steps=30, lr=1e4, warmup_steps=1)
+    with pytest.raises(train.TrainingDiverged) as e:
+        train.train(MODEL, cfg, sample=False)
+    message = str(e.value)
+    step = int(message.split(":")[0].removeprefix("step "))
+    assert step < 10 and "learning rate too high" in message and "--resume --lr 1000" in message
+    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
+    assert records[-1]["step"] == step and not math.isfinite(records[-1]["loss"]
+                                                             * records[-1]["grad_norm"])
+    saved = sorted(int(p.name) for p in (Path(cfg.out) / "checkpoints").iterdir())
+    assert saved and saved[-1] < step
+    assert f"the latest checkpoint is still step {saved[-1]}" in message
+    model = build_model(MODEL, rngs=nnx.Rngs(0))
+    Checkpointer(Path(cfg.out) / "checkpoints", read_only=True).restore(model)
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(nnx.state(model)))
+    # From the command line: one line, a non-zero exit, the checkpoints as they were.
+    before = files_digest(Path(cfg.out) / "checkpoints")
+    code = train.main(["--out", cfg.out, "--resume", "--no-sample"])
+    err = capsys.readouterr().err
+    last_line = err.rstrip("\n").split("\n")[-1]  # after the progress bar's
+    assert code == 3 and last_line.startswith("error: step ") and err.count("error:") == 1
+    assert files_digest(Path(cfg.out) / "checkpoints") == before
+
+
+def test_the_library_refuses_to_overwrite_a_run(config):
+    train.train(MODEL, dataclasses.replace(config, steps=2), sample=False)
+    before = files_digest(Path(config.out))
+    with pytest.raises(ConfigError, match="already holds checkpoints: pass --resume"):
+        train.train(MODEL, config, sample=False)
+    assert files_digest(Path(config.out)) == before
+
+
+def test_the_closing_sample_uses_the_runs_seed(config, monkeypatch):
+    keys = []
+    monkeypatch.setattr(train, "generate", lambda *a, rng, **k: keys.append(rng) or ["story"])
+    train.train(MODEL, dataclasses.replace(config, steps=2, seed=11), sample=True)
+    assert np.array_equal(jax.random.key_data(keys[0]), jax.random.key_data(jax.random.key(11)))
+    assert os.path.exists(Path(config.out) / "loss.png")

@@ -6,13 +6,15 @@ matmuls, measured before and after the timed steps). Each configuration runs in 
 because the number of simulated devices is fixed when JAX starts.
 
     python bench/bench_train.py                 # everything (about 30 minutes on 2 cores)
-    python bench/bench_train.py --only presets  # or: context, depth, scan, kernels
+    python bench/bench_train.py --only presets  # or context, depth, scan, kernels, pipeline, bubble
 
 Sections: the `minigpt` model at the tutorial's shape (batch 32 x 256 tokens) on 1 device and
 under every preset on 8 simulated CPU devices (same global batch); then step time as the context
 grows (128..1024 at 8,192 tokens per step) and as the model deepens (2..16 layers); last, the
 compile time of unrolled layers against `nnx.scan` over layers (4..32 layers); and the CPU-tuned
-kernels against the plain reference ones (`model.kernels`), which decides what "auto" picks.
+kernels against the plain reference ones (`model.kernels`), which decides what "auto" picks;
+and the pipeline presets beside `dp`, with the bubble measured by fitting step time against the
+number of pipeline microbatches at a fixed microbatch size.
 """
 
 from __future__ import annotations
@@ -59,17 +61,18 @@ def worker(spec: dict) -> dict:
     rows += sharding.describe(preset, mesh, nnx.state(optimizer))
     state_bytes = sum(r["bytes_per_device"] for r in rows)
     rng = jax.random.key(0)
+    pipe = {"pipeline_microbatches": spec.get("pipeline_microbatches", 0)}
     with sharding.use_preset(preset, mesh):
         batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
         start = time.perf_counter()
-        compiled = steps.train_step.lower(model, optimizer, batch, rng).compile()
+        compiled = steps.train_step.lower(model, optimizer, batch, rng, **pipe).compile()
         compile_s = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        jax.block_until_ready(steps.train_step(model, optimizer, batch, rng))
+        jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, **pipe))
         times = []
         for _ in range(spec["repeats"]):
             start = time.perf_counter()
-            jax.block_until_ready(steps.train_step(model, optimizer, batch, rng))
+            jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, **pipe))
             times.append(time.perf_counter() - start)
     peak = max(peak, measure_matmul_peak(repeats=10))
     step_s = min(times)
@@ -107,7 +110,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--only", choices=["presets", "context", "depth", "scan", "kernels"])
+    parser.add_argument("--only", choices=["presets", "context", "depth", "scan", "kernels",
+                                                 "pipeline", "bubble"])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
     args = parser.parse_args()
     if args.worker:
@@ -204,6 +208,71 @@ def main() -> None:
             "`model.kernels=reference` (jax.nn attention, optax cross-entropy, autodiff) against "
             "`model.kernels=cpu` (blocked attention, fused chunked loss, row sums as products)",
         ], body)
+
+    if args.only in (None, "pipeline"):
+        pipeline_section(base)
+    if args.only in (None, "bubble"):
+        bubble_section(base)
+
+
+def pipeline_section(base: dict) -> None:
+    """Pipeline presets beside dp at the same batch: step time, compile time, memory."""
+    from bench.report import append_section, table
+    from minigpt.pipeline import bubble_fraction, default_microbatches
+
+    stages = {"pp": 8, "dp_pp": 2, "fsdp_pp": 2, "pp_tp": 4}
+    specs = [{**base, "label": "dp", "preset": "dp", "devices": 8}]
+    specs += [{**base, "label": f"{name} (M={default_microbatches(s)})", "preset": name,
+               "devices": 8, "pipeline_microbatches": default_microbatches(s)}
+              for name, s in stages.items()]
+    results = [run(s) for s in specs]
+    dp = results[0]
+    rows = [(s["label"], f"{r['step_s']:.3f}", f"{r['step_s'] / dp['step_s']:.2f}x",
+             f"{r['compile_s']:.1f}", mib(r["peak_bytes"]), mib(r["state_bytes"]),
+             "" if s["preset"] == "dp" else
+             f"{bubble_fraction(stages[s['preset']], s['pipeline_microbatches']):.1%}")
+            for s, r in zip(specs, results)]
+    body = table(["preset", "step (s)", "vs dp", "compile (s)", "peak memory/device (MiB)",
+                  "params + optimizer/device (MiB)", "bubble (formula)"], rows)
+
+    append_section("pipeline presets beside dp, minigpt on 8 simulated devices", [
+        "model `minigpt` (8 layers), batch 32 x 256 tokens, AdamW, dropout 0.1, float32; "
+        "pipeline microbatches M = 2 x stages (the default)",
+        "caveat: the 8 simulated devices are threads sharing 2 cores, so a stage waiting in "
+        "the bubble does not free a core for another stage's work: every stage computes "
+        "every iteration (SPMD), which is what makes the bubble measurable here; the time "
+        "collectives take between threads says nothing about real interconnects",
+    ], body)
+
+
+def bubble_section(base: dict) -> None:
+    """Step time under `pp` against M at 2 sequences per microbatch, fitted by a line: the
+    intercept is the bubble's cost, (S - 1) iterations of the per-microbatch slope if the
+    formula holds. A 512-token vocabulary keeps the embedding, head and loss (replicated on
+    every stage, outside the pipeline) from hiding the pipeline's own cost."""
+    import numpy as np
+
+    from bench.report import append_section, table
+    from minigpt.pipeline import bubble_fraction
+
+    counts, S = (4, 8, 16, 32), 8
+    fits = [run({**base, "label": f"pp M={m}", "preset": "pp", "devices": 8, "batch": 2 * m,
+                 "pipeline_microbatches": m, "overrides": {"vocab_size": 512}})
+            for m in counts]
+    times = np.array([r["step_s"] for r in fits])
+    slope, intercept = np.polyfit(counts, times, 1)  # time = intercept + slope * M
+    body = table(["M", "batch", "step (s)", "fit (s)", "measured bubble", "formula"],
+                 [(m, 2 * m, f"{t:.3f}", f"{intercept + slope * m:.3f}",
+                   f"{intercept / (intercept + slope * m):.1%}", f"{bubble_fraction(S, m):.1%}")
+                  for m, t in zip(counts, times)])
+    body += ["", f"fit: step = {intercept:.3f} s + {slope:.4f} s x M; the formula's bubble is "
+             f"(S - 1) = 7 iterations of the per-microbatch cost, an intercept of "
+             f"{(S - 1) * slope:.3f} s"]
+    append_section("pipeline bubble: pp step time against microbatches", [
+        "model `minigpt` (8 layers, width 256) with a 512-token vocabulary, 8 stages of 1 "
+        "layer on 8 simulated devices, 2 sequences x 256 tokens per microbatch, batch 2 x M",
+        "measured bubble = intercept / step time; formula = (S - 1) / (M + S - 1)",
+    ], body)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 # Orbax writes a checkpoint to `<step>.orbax-checkpoint-tmp-<time>` and renames it when complete.
@@ -47,6 +49,71 @@ def _gist(error: BaseException) -> str:
         error = error.__cause__
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:300] if lines else 'no details'}"
+
+
+# Checkpoints written before every model stacked its blocks into [layers, ...] arrays hold a
+# list of blocks instead: `blocks.layers.0.attention...`, `blocks.layers.1...`. They are read
+# layer by layer into arrays shaped like one slice of today's, then stacked.
+
+def _key_names(path: tuple) -> tuple[str, ...]:
+    """A pytree path as the names Orbax stores: dict keys as strings, attributes by name."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _layer_position(names: tuple[str, ...]) -> int | None:
+    """Where the layer index goes in a stacked parameter's path (after blocks.layers), if any."""
+    for i in range(len(names) - 1):
+        if names[i:i + 2] == ("blocks", "layers"):
+            return i + 2
+    return None
+
+
+def _has_layer_list(item_dir: Path) -> bool:
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir)).tree
+    names = [_key_names(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    return any((p := _layer_position(n)) is not None and n[p].isdigit() for n in names)
+
+
+def _layer_list_target(target) -> dict:
+    """The nested-dict restore target of a layer-list checkpoint, one entry per layer, each
+    with the sharding of one slice of the stacked array."""
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+        names = _key_names(path)
+        at = _layer_position(names)
+        layers = [None] if at is None else range(leaf.shape[0])
+        for i in layers:
+            if i is None:
+                key, sds = names, leaf
+            else:
+                key = (*names[:at], str(i), *names[at:])
+                spec = jax.P(*tuple(leaf.sharding.spec)[1:])
+                sds = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype,
+                                           sharding=jax.NamedSharding(leaf.sharding.mesh, spec))
+            node = out
+            for name in key[:-1]:
+                node = node.setdefault(name, {})
+            node[key[-1]] = sds
+    return out
+
+
+def _stack_layer_list(restored: dict, target):
+    """Today's state from a restored layer-list tree: each stacked parameter's layers stacked."""
+    def lookup(names):
+        node = restored
+        for name in names:
+            node = node[name]
+        return node
+
+    def value(path, leaf):
+        names = _key_names(path)
+        at = _layer_position(names)
+        if at is None:
+            return lookup(names)
+        layers = [lookup((*names[:at], str(i), *names[at:])) for i in range(leaf.shape[0])]
+        return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=leaf.sharding)(*layers)
+
+    return jax.tree_util.tree_map_with_path(value, target)
 
 
 class Checkpointer:
@@ -108,21 +175,28 @@ class Checkpointer:
             f"from an incompatible model; their files are left as they are")
 
     def _restore(self, step: int, model, optimizer) -> dict[str, Any]:
-        items = {"model": ocp.args.StandardRestore(_restore_target(model)),
-                 "meta": ocp.args.JsonRestore()}
-        if optimizer is not None:
-            items["optimizer"] = ocp.args.StandardRestore(_restore_target(optimizer))
-            items["data"] = ocp.args.JsonRestore()
+        objects = {"model": model} if optimizer is None else {"model": model,
+                                                              "optimizer": optimizer}
+        targets = {name: _restore_target(obj) for name, obj in objects.items()}
         try:
+            layer_list = _has_layer_list(self.directory / str(step) / "model")
+            items = {name: ocp.args.StandardRestore(
+                _layer_list_target(target) if layer_list else target)
+                for name, target in targets.items()}
+            items["meta"] = ocp.args.JsonRestore()
+            if optimizer is not None:
+                items["data"] = ocp.args.JsonRestore()
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            states = {name: _stack_layer_list(restored[name], targets[name]) if layer_list
+                      else restored[name] for name in objects}
             rng = jax.random.wrap_key_data(np.asarray(restored["meta"]["rng"], dtype=np.uint32))
             result = {"step": int(restored["meta"]["step"]), "rng": rng}
         except Exception as error:  # Orbax and TensorStore raise many kinds for unreadable files
             raise CheckpointError(_gist(error)) from error
         # Only a checkpoint that was read whole reaches the model.
-        nnx.update(model, restored["model"])
+        for name, obj in objects.items():
+            nnx.update(obj, states[name])
         if optimizer is not None:
-            nnx.update(optimizer, restored["optimizer"])
             result["data_state"] = restored["data"]
         return result
 

@@ -46,7 +46,10 @@ class ModelConfig:
     vocab_multiple: int = 128
     dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
     remat: bool = False
-    scan_layers: bool = False
+    # How the stacked layers run: lax.scan (one block in the compiled program, fast to compile
+    # and, measured on CPU, also faster per step) or an unrolled loop. Parameters and
+    # checkpoints are the same either way.
+    scan_layers: bool = True
     # Which implementation of the backend-tuned operations to run (minigpt.kernels): "auto"
     # picks the CPU-tuned ones on a CPU and the plain ones elsewhere. Both compute the same.
     kernels: str = "auto"
@@ -86,6 +89,10 @@ class ModelConfig:
         return (self.vocab_size + m - 1) // m * m
 
 
+# Fields that say how a model runs, not what it is: a run may resume with other values.
+EXECUTION_FIELDS = ("dtype", "remat", "scan_layers", "kernels")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = "fsdp"
@@ -97,6 +104,9 @@ class TrainConfig:
     batch_size: int = 64  # global batch, in sequences
     seq_len: int = 0  # 0: the model's context length
     microbatches: int = 1  # gradient accumulation inside the compiled step
+    # Under a pipeline preset, the pieces each (accumulation) batch goes through the stages in;
+    # 0: two per stage.
+    pipeline_microbatches: int = 0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     warmup_steps: int = 100
@@ -125,6 +135,9 @@ class TrainConfig:
                 f"train.microbatches ({self.microbatches})")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
             raise ConfigError("train.lr must be > 0, min_lr_ratio in [0, 1], warmup_steps >= 0")
+        if self.pipeline_microbatches < 0:
+            raise ConfigError(f"train.pipeline_microbatches must be >= 0 (0: two per stage), "
+                              f"got {self.pipeline_microbatches}")
         if self.decay_steps < 0:
             raise ConfigError(f"train.decay_steps must be >= 0, got {self.decay_steps}")
         if self.seq_len < 0:

@@ -3,8 +3,9 @@
     python -m minigpt.sharding --model minigpt --preset fsdp --devices 8
 
 prints every parameter with its logical axes, the mesh PartitionSpec they resolve to and the bytes
-each device holds, then the per-device totals of parameters and optimizer state. Nothing is
-allocated: the model and optimizer are built abstractly (shapes only).
+each device holds, then the per-device totals of parameters and optimizer state; under a pipeline
+preset, which layers each stage holds on which devices, and the bubble for the microbatches.
+Nothing is allocated: the model and optimizer are built abstractly (shapes only).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
-from minigpt import sharding
+from minigpt import pipeline, sharding
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.models import build_model, get_config
 from minigpt.runtime import set_simulated_devices
@@ -40,6 +42,28 @@ def mib(rows: list[dict[str, Any]], key: str) -> str:
     return f"{sum(r[key] for r in rows) / 2**20:,.2f} MiB"
 
 
+def stage_map(preset: sharding.Preset, mesh, num_layers: int, microbatches: int,
+              block_rows: list[dict[str, Any]]) -> list[str]:
+    """Which layers and devices each pipeline stage holds, and the bubble: lines to print."""
+    axis = preset.mesh_axes_of("layers")[0]
+    stages = mesh.shape[axis]
+    per_stage = num_layers // stages
+    devices = np.moveaxis(mesh.devices, list(mesh.axis_names).index(axis), 0).reshape(stages, -1)
+    block_bytes = sum(r["bytes_per_device"] for r in block_rows)
+    lines = [f"pipeline: {stages} stages over mesh axis {axis!r}, {per_stage} layer(s) each; "
+             f"block parameters {block_bytes:,} bytes per device (1/{stages} of the stack "
+             f"where nothing else splits it)"]
+    for s in range(stages):
+        ids = ", ".join(str(d.id) for d in devices[s].flat)
+        first, last = s * per_stage, (s + 1) * per_stage - 1
+        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+        lines.append(f"  stage {s}: {layers} on device(s) {ids}")
+    lines.append(f"bubble with {microbatches} microbatches: (S - 1) / (M + S - 1) = "
+                 f"{stages - 1}/{microbatches + stages - 1} = "
+                 f"{pipeline.bubble_fraction(stages, microbatches):.1%} of each step")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m minigpt.sharding",
@@ -49,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="fsdp", help="preset name or path to a .toml file")
     parser.add_argument("--devices", type=int, default=0,
                         help="simulate this many CPU devices (default: the devices present)")
+    parser.add_argument("--microbatches", type=int, default=0,
+                        help="pipeline microbatches M, for the bubble (default: 2 per stage)")
     args = parser.parse_args(argv)
     if args.devices:
         set_simulated_devices(args.devices)
@@ -63,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model, optimizer = nnx.eval_shape(build)
         sharding.check_divisible(preset, mesh, nnx.state(model))
+        stages = sharding.ways(mesh, preset.spec(("layers",))[0])
     except (sharding.PresetError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -77,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(of {mib(params, 'bytes')} in all)")
     print(f"optimizer state: {mib(opt, 'bytes_per_device')} per device "
           f"(of {mib(opt, 'bytes')} in all)")
+    if stages > 1:
+        blocks = [r for r in params if r["axes"][:1] == ("layers",)]
+        microbatches = args.microbatches or pipeline.default_microbatches(stages)
+        print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, microbatches, blocks)))
     return 0
 
 

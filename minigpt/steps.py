@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from minigpt import kernels
+from minigpt import kernels, pipeline
 from minigpt.config import TrainConfig
 from minigpt.models import DecoderLM
-from minigpt.models.layers import DECAYED_PARAMETERS
+from minigpt.models.layers import DECAYED_PARAMETERS, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,48 +79,51 @@ def _adamw(schedule: LRSchedule, b1: float, b2: float, weight_decay: float,
     )
 
 
-def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],
-            dropout_key: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each)."""
-    x = model.features(batch["inputs"], dropout_key=dropout_key)  # [B, T, D]
+def loss_fn(model: DecoderLM, batch: dict[str, jax.Array], dropout_keys: jax.Array | None = None,
+            pipeline_microbatches: int = 0) -> jax.Array:
+    """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each), with
+    dropout when keys (one per row) are given."""
+    x = model.features(batch["inputs"], dropout_key=dropout_keys,
+                       pipeline_microbatches=pipeline_microbatches)  # [B, T, D]
     return kernels.get(model.config.kernels).cross_entropy(model, x, batch["targets"])
 
 
-def _split_microbatches(x: jax.Array, count: int) -> jax.Array:
-    """[B, ...] -> [M, B/M, ...] taking every M-th row, so that each device keeps its own rows
-    of every microbatch when the batch dimension is sharded (no data moves between devices)."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
-
-
-def _loss_and_grads(model: DecoderLM, batch, key, microbatches: int):
+def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int, pipeline_microbatches: int):
     if microbatches == 1:
-        return nnx.value_and_grad(loss_fn)(model, batch, key)
+        return nnx.value_and_grad(loss_fn)(model, batch, keys, pipeline_microbatches)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def micro_loss(params, micro, micro_key):
-        return loss_fn(nnx.merge(graphdef, params, rest), micro, micro_key)
-
-    def accumulate(carry, xs):
-        micro, index = xs
-        micro_key = None if key is None else jax.random.fold_in(key, index)
-        loss, grads = jax.value_and_grad(micro_loss)(params, micro, micro_key)
+    def accumulate(carry, micro):
+        micro_batch, micro_keys = micro
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(nnx.merge(graphdef, p, rest), micro_batch, micro_keys,
+                              pipeline_microbatches))(params)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-    micros = jax.tree.map(lambda x: _split_microbatches(x, microbatches), batch)
+    # Each microbatch takes its rows' keys along, so accumulation draws the masks one big batch
+    # would have drawn.
+    micros = jax.tree.map(lambda x: pipeline.split_microbatches(x, microbatches), (batch, keys))
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(accumulate, zeros, (micros, jnp.arange(microbatches)))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, micros)
     return jax.tree.map(lambda x: x / microbatches, (loss, grads))
 
 
-@functools.partial(nnx.jit, static_argnames=("microbatches", "schedule"),
+@functools.partial(nnx.jit, static_argnames=("microbatches", "pipeline_microbatches", "schedule"),
                    donate_argnames=("model", "optimizer"))
 def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.Array],
-               rng: jax.Array, *, microbatches: int = 1,
+               rng: jax.Array, *, microbatches: int = 1, pipeline_microbatches: int = 0,
                schedule: optax.Schedule | None = None) -> dict[str, jax.Array]:
-    """One optimizer step on a global batch, accumulated over `microbatches` inside the step."""
+    """One optimizer step on a global batch, accumulated over `microbatches` inside the step
+    (and, under a pipeline preset, run through the stages in `pipeline_microbatches` pieces).
+
+    Row r of the batch draws its dropout masks from fold_in(fold_in(rng, step), r), whatever
+    the preset, accumulation or pipeline, so all of them compute the same step.
+    """
     step = optimizer.step[...]
-    key = jax.random.fold_in(rng, step) if model.config.dropout > 0 else None
-    loss, grads = _loss_and_grads(model, batch, key, microbatches)
+    keys = None
+    if model.config.dropout > 0:
+        keys = row_keys(jax.random.fold_in(rng, step), batch["inputs"].shape[0])
+    loss, grads = _loss_and_grads(model, batch, keys, microbatches, pipeline_microbatches)
     optimizer.update(model, grads)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     if schedule is not None:
@@ -128,7 +131,8 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
     return metrics
 
 
-@nnx.jit
-def eval_step(model: DecoderLM, batch: dict[str, jax.Array]) -> jax.Array:
+@functools.partial(nnx.jit, static_argnames=("pipeline_microbatches",))
+def eval_step(model: DecoderLM, batch: dict[str, jax.Array], *,
+              pipeline_microbatches: int = 0) -> jax.Array:
     """Mean loss on a batch, without dropout."""
-    return loss_fn(model, batch)
+    return loss_fn(model, batch, None, pipeline_microbatches)

@@ -30,9 +30,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from minigpt import sharding, steps
+from minigpt import pipeline, sharding, steps
 from minigpt.checkpoint import Checkpointer, CheckpointError
 from minigpt.config import (
+    EXECUTION_FIELDS,
     ConfigError,
     ModelConfig,
     TrainConfig,
@@ -67,15 +68,43 @@ def init_state(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.
     return sharding.create_sharded(build, preset, mesh)
 
 
-def check_batch(train_cfg: TrainConfig, preset: sharding.Preset, mesh) -> None:
-    ways = sharding.batch_divisor(preset, mesh)
+def check_layout(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.Preset,
+                 mesh) -> int:
+    """Refuse batch and pipeline settings the preset cannot split evenly, before anything
+    compiles; return the pipeline microbatches (0 when the preset has no pipeline)."""
     per_micro = train_cfg.batch_size // train_cfg.microbatches
-    if per_micro % ways or train_cfg.batch_size % jax.process_count():
+    stages = sharding.ways(mesh, preset.spec(("layers",))[0])
+    pieces = 0
+    if stages > 1:
+        if len(preset.mesh_axes_of("layers")) != 1:
+            raise sharding.PresetError(f"preset {preset.name!r}: a pipeline needs `layers` on "
+                                       f"one mesh axis, not {preset.mesh_axes_of('layers')}")
+        if model_cfg.num_layers % stages:
+            raise sharding.PresetError(
+                f"preset {preset.name!r} splits the layers into {stages} pipeline stages, but "
+                f"model {train_cfg.model!r} has {model_cfg.num_layers} layer(s), which "
+                f"{stages} stages cannot share evenly: choose a model whose layer count "
+                f"divides by {stages}, or another preset")
+        pieces = train_cfg.pipeline_microbatches or pipeline.default_microbatches(stages)
+        if per_micro % pieces:
+            raise ConfigError(
+                f"train.pipeline_microbatches {pieces} does not divide the {per_micro} "
+                f"sequences of each batch the pipeline runs (batch size {train_cfg.batch_size}"
+                f" / {train_cfg.microbatches} accumulation microbatch(es)): choose a divisor")
+    ways = sharding.batch_divisor(preset, mesh)
+    per_piece = per_micro // max(pieces, 1)
+    if per_piece % ways:
+        split = f" and {pieces} pipeline microbatches" if pieces else ""
         raise ConfigError(
-            f"batch size {train_cfg.batch_size} with {train_cfg.microbatches} microbatch(es) "
-            f"gives {per_micro} sequences per microbatch, which preset {preset.name!r} must "
+            f"batch size {train_cfg.batch_size} with {train_cfg.microbatches} microbatch(es)"
+            f"{split} gives {per_piece} sequences per piece, which preset {preset.name!r} must "
             f"split {ways} ways over its batch axes {preset.mesh_axes_of('batch')}: choose a "
-            f"batch size that is a multiple of {ways * train_cfg.microbatches}")
+            f"batch size that is a multiple of {ways * train_cfg.microbatches * max(pieces, 1)}")
+    if pieces:
+        log(f"pipeline: {stages} stages of {model_cfg.num_layers // stages} layers, {pieces} "
+            f"microbatches of {per_micro // pieces} sequences; bubble (S - 1) / (M + S - 1) = "
+            f"{pipeline.bubble_fraction(stages, pieces):.1%} of each step")
+    return pieces
 
 
 @dataclasses.dataclass
@@ -95,6 +124,7 @@ class Run:
     checkpointer: Checkpointer
     batches: Any  # the Grain iterator of training batches
     rng: jax.Array
+    pipeline_microbatches: int = 0  # 0: the preset has no pipeline
     step: int = 0  # steps done
 
     @property
@@ -134,20 +164,28 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool) -
                           f"{model_cfg.context_len}")
     preset = sharding.load_preset(train_cfg.preset)
     mesh = sharding.make_mesh(preset)
-    check_batch(train_cfg, preset, mesh)
+    pieces = check_layout(model_cfg, train_cfg, preset, mesh)
     data_dir = _prepare_data(train_cfg)
+    meta = load_meta(data_dir)
+    if meta["vocab_size"] != model_cfg.vocab_size:
+        raise ConfigError(
+            f"{data_dir} was tokenized with {meta['tokenizer']!r} ({meta['vocab_size']:,} "
+            f"tokens), but model {train_cfg.model!r} has a vocabulary of "
+            f"{model_cfg.vocab_size:,}: prepare the data with the model's tokenizer, or "
+            f"choose a model whose vocabulary matches")
     model, optimizer = init_state(model_cfg, train_cfg, preset, mesh)
+    share, shares = sharding.batch_share(preset, mesh, train_cfg.batch_size)
     batches = batch_iterator(data_dir, "train", seq_len=seq_len,
                              batch_size=train_cfg.batch_size, seed=train_cfg.seed,
-                             process_index=jax.process_index(),
-                             process_count=jax.process_count())
+                             process_index=share, process_count=shares)
     checkpointer = Checkpointer(checkpoints, keep=train_cfg.keep_checkpoints)
     for name in checkpointer.leftovers:
         log(f"removed {checkpoints / name}: an incomplete checkpoint an interrupted save left")
     return Run(model_cfg=model_cfg, train_cfg=train_cfg, out=out, seq_len=seq_len,
                preset=preset, mesh=mesh, data_dir=data_dir,
-               tokenizer=load_meta(data_dir)["tokenizer"], model=model, optimizer=optimizer,
-               checkpointer=checkpointer, batches=batches, rng=jax.random.key(train_cfg.seed))
+               tokenizer=meta["tokenizer"], model=model, optimizer=optimizer,
+               checkpointer=checkpointer, batches=batches, rng=jax.random.key(train_cfg.seed),
+               pipeline_microbatches=pieces)
 
 
 def restore(run: Run) -> None:
@@ -203,6 +241,7 @@ def run_loop(run: Run) -> bool:
                 profiler.before(run.step, pending, run.checkpointer)
                 metrics = steps.train_step(run.model, run.optimizer, put(next(run.batches)),
                                            run.rng, microbatches=cfg.microbatches,
+                                           pipeline_microbatches=run.pipeline_microbatches,
                                            schedule=schedule)
                 run.step += 1
                 if pending is not None:  # read step k-1 while step k runs
@@ -240,15 +279,18 @@ def _save_and_evaluate(run: Run, metrics, put, recorder: _Recorder) -> None:
         if save:
             _save(run)
         if evaluate_now:
-            recorder.record_eval(done, evaluate(run.model, run.data_dir, cfg, run.seq_len, put))
+            recorder.record_eval(done, evaluate(run, put))
 
 
-def evaluate(model, data_dir: Path, train_cfg: TrainConfig, seq_len: int, batch_put) -> float:
+def evaluate(run: Run, batch_put) -> float:
     """Mean loss over the first `eval_batches` batches of the validation split (fixed order)."""
-    it = batch_iterator(data_dir, "val", seq_len=seq_len, batch_size=train_cfg.batch_size,
-                        seed=0, shuffle=False, process_index=jax.process_index(),
-                        process_count=jax.process_count())
-    losses = [steps.eval_step(model, batch_put(next(it))) for _ in range(train_cfg.eval_batches)]
+    cfg = run.train_cfg
+    share, shares = sharding.batch_share(run.preset, run.mesh, cfg.batch_size)
+    it = batch_iterator(run.data_dir, "val", seq_len=run.seq_len, batch_size=cfg.batch_size,
+                        seed=0, shuffle=False, process_index=share, process_count=shares)
+    losses = [steps.eval_step(run.model, batch_put(next(it)),
+                              pipeline_microbatches=run.pipeline_microbatches)
+              for _ in range(cfg.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -487,16 +529,18 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
         model_cfg = saved["model"]
         train_cfg = TrainConfig(**{**saved["train"], "data": tuple(saved["train"]["data"]),
                                    **given})
-        wanted = get_config(args.model) if args.model else model_cfg
-        wanted, train_cfg = apply_overrides(wanted, train_cfg, args.set)
-        differing = [f.name for f in dataclasses.fields(ModelConfig)
-                     if getattr(wanted, f.name) != getattr(model_cfg, f.name)]
-        if differing:
-            details = ", ".join(f"{n}: {getattr(model_cfg, n)!r} -> {getattr(wanted, n)!r}"
-                                for n in differing)
-            raise ConfigError(f"cannot resume {out} with a different model ({details}); "
-                              f"drop those options or train into a new --out")
-        return model_cfg, train_cfg
+        # --set applies to the run's model; only how it runs (EXECUTION_FIELDS) may change.
+        resumed, train_cfg = apply_overrides(model_cfg, train_cfg, args.set)
+        for wanted in ([get_config(args.model)] if args.model else []) + [resumed]:
+            differing = [f.name for f in dataclasses.fields(ModelConfig)
+                         if f.name not in EXECUTION_FIELDS
+                         and getattr(wanted, f.name) != getattr(model_cfg, f.name)]
+            if differing:
+                details = ", ".join(f"{n}: {getattr(model_cfg, n)!r} -> {getattr(wanted, n)!r}"
+                                    for n in differing)
+                raise ConfigError(f"cannot resume {out} with a different model ({details}); "
+                                  f"drop those options or train into a new --out")
+        return resumed, train_cfg
     model_cfg = get_config(args.model or TrainConfig.model)
     train_cfg = TrainConfig(**{**given, "model": args.model or TrainConfig.model})
     return apply_overrides(model_cfg, train_cfg, args.set)

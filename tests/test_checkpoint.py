@@ -1,12 +1,21 @@
 """Checkpoints: what is saved comes back exactly, into another preset's layout; the last N are
 kept; a step is never written twice; a run without checkpoints is refused clearly."""
 
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from minigpt import sharding, steps
+from minigpt import generate, sharding, steps, train
 from minigpt.checkpoint import Checkpointer, CheckpointError
 from minigpt.config import ModelConfig, TrainConfig
 from minigpt.models import build_model
@@ -47,8 +56,8 @@ def test_a_checkpoint_restores_exactly_into_another_presets_layout(tmp_path):
         assert expected.keys() == got.keys()
         for key in expected:
             np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
-    kernel = other_model.blocks.layers[0].mlp.up.kernel.get_value()
-    assert kernel.sharding.spec == jax.P(None, "model")  # dp_tp's layout, not fsdp's
+    kernel = other_model.blocks.layers.mlp.up.kernel.get_value()  # [L, D, F]
+    assert kernel.sharding.spec == jax.P(None, None, "model")  # dp_tp's layout, not fsdp's
 
 
 def test_only_the_last_checkpoints_are_kept_and_a_step_is_written_once(tmp_path):
@@ -67,3 +76,53 @@ def test_restoring_where_there_is_no_checkpoint_says_so(tmp_path):
     model, _ = state("dp", seed=0)
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         Checkpointer(tmp_path / "empty").restore(model)
+
+
+# Runs written before every model stacked its blocks ---------------------------------------
+
+LIST_LAYOUT = "8ff6e99"  # the last commit whose models kept a list of blocks by default
+
+
+def old_code(tmp_path) -> Path:
+    """The package as of LIST_LAYOUT, from this clone's history (skip where there is none)."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "-C", str(repo), "archive", LIST_LAYOUT, "minigpt",
+                              "presets"], capture_output=True)
+    if archive.returncode:
+        pytest.skip(f"commit {LIST_LAYOUT} is not in this clone's history (a shallow clone?)")
+    dest = tmp_path / "old"
+    dest.mkdir()
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
+def test_a_run_written_before_the_stacked_layout_resumes_and_generates(
+        tmp_path, stories_file, gpt2, scan):
+    old, run = old_code(tmp_path), tmp_path / "run"
+    common = ["--data", str(stories_file), "--out", str(run), "--batch-size", "16",
+              "--seq-len", "32", "--save-every", "3", "--eval-every", "3", "--no-sample",
+              "--set", "eval_batches=1"]
+    env = {**os.environ, "PYTHONPATH": str(old)}
+    result = subprocess.run(
+        [sys.executable, "-m", "minigpt.train", "--preset", "fsdp", "--model", "minigpt-tiny",
+         "--steps", "3", "--set", f"scan_layers={str(scan).lower()}", *common],
+        cwd=old, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (run / "checkpoints" / "3").is_dir()
+
+    # Resume under a pipeline preset (2 stages of 1 layer), then generate under another.
+    assert train.main(["--resume", "--out", str(run), "--preset", "dp_pp", "--steps", "5",
+                       "--no-sample"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "loss" in r][-2:] == [4, 5]
+    assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
+    model, tokenizer, preset, mesh, _ = generate.load_for_generation(run, "dp")
+    assert nnx.state(model, nnx.Param)["blocks"]["layers"]["mlp"]["up"]["kernel"].shape[0] == 2
+    tokens = generate.generate_tokens(model, [tokenizer.encode("Once")], max_new_tokens=4,
+                                      temperature=0)
+    assert len(tokens[0]) == 4

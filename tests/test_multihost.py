@@ -44,7 +44,7 @@ def config(data_dir, out, preset="fsdp", steps=STEPS) -> TrainConfig:
     return TrainConfig(preset=preset, model="minigpt-tiny", data=(str(data_dir),), out=str(out),
                        steps=steps, decay_steps=STEPS, batch_size=8, seq_len=32, lr=3e-3,
                        warmup_steps=1, eval_every=STEPS, eval_batches=1, save_every=2,
-                       log_every=1)
+                       log_every=1, pipeline_microbatches=2)
 
 
 def cli_args(cfg: TrainConfig, *, resume=False) -> list[str]:
@@ -52,7 +52,8 @@ def cli_args(cfg: TrainConfig, *, resume=False) -> list[str]:
             "--steps", str(cfg.steps), "--batch-size", str(cfg.batch_size), "--seq-len",
             str(cfg.seq_len), "--lr", str(cfg.lr), "--eval-every", str(cfg.eval_every),
             "--save-every", str(cfg.save_every), "--no-sample"]
-    for field in ("decay_steps", "warmup_steps", "eval_batches", "log_every"):
+    for field in ("decay_steps", "warmup_steps", "eval_batches", "log_every",
+                  "pipeline_microbatches"):
         args += ["--set", f"{field}={getattr(cfg, field)}"]
     return args + (["--resume"] if resume else [])
 
@@ -96,8 +97,10 @@ def reference(data_dir, tmp_path_factory, preset: str) -> list[float]:
     return _references[preset]
 
 
-# fsdp runs in the default suite; the rest of this module is marked slow.
-@pytest.mark.parametrize("preset", ["fsdp", pytest.param("dp_tp", marks=pytest.mark.slow)])
+# fsdp runs in the default suite; the rest of this module is marked slow. Under dp_pp the two
+# pipeline stages are the two processes: activations cross between processes.
+@pytest.mark.parametrize("preset", ["fsdp", pytest.param("dp_tp", marks=pytest.mark.slow),
+                                    pytest.param("dp_pp", marks=pytest.mark.slow)])
 def test_two_processes_train_like_one(data_dir, tmp_path, tmp_path_factory, preset):
     out = launch(config(data_dir, tmp_path / "run", preset), tmp_path)
     assert "mesh {" in out and "checkpoint:" in out

@@ -50,12 +50,15 @@ def reference(model_name: str):
 
 
 def zoo_cases():
-    """Every model under every preset. The default run checks minigpt-tiny under all of them
+    """Every model under every preset but the pipeline ones (tests/test_pipeline.py, with
+    models deep enough for their stages). The default run checks minigpt-tiny under all of them
     and the other architectures under `fsdp_tp`, which splits every kind of axis a preset can
     (batch and embed over fsdp; heads, kv_heads, mlp and vocab over model); `-m slow` runs the
     rest."""
     for model_name in ZOO:
         for name in sharding.available_presets():
+            if sharding.load_preset(name).mesh_axes_of("layers"):
+                continue
             slow = model_name != "minigpt-tiny" and name != "fsdp_tp"
             yield pytest.param(model_name, name, marks=[pytest.mark.slow] if slow else [])
 
@@ -93,7 +96,8 @@ def test_one_step_is_the_same_under_every_preset(model_name, name):
 
 
 def test_gradient_accumulation_equals_one_larger_batch():
-    cfg = dataclasses.replace(TINY, dropout=0.0)
+    # With dropout on: every row draws its masks from its own key, wherever it is computed.
+    cfg = dataclasses.replace(TINY, dropout=0.1)
     batch = {k: jnp.asarray(v) for k, v in random_batch(batch=8, seq=32, seed=3).items()}
     results = []
     for micro in (1, 4):
@@ -191,5 +195,4 @@ def test_weight_decay_reaches_exactly_the_weight_matrices_and_tables(model_name,
     changed = sorted(".".join(map(str, path)) for path, v in nnx.to_flat_state(
         nnx.state(model, nnx.Param)) if not np.all(np.asarray(v.get_value()) == 1.0))
     top, per_layer = DECAYED[model_name]
-    layers = ["blocks.layers."] if scan else [f"blocks.layers.{i}." for i in range(2)]
-    assert changed == sorted(top + [prefix + name for prefix in layers for name in per_layer])
+    assert changed == sorted(top + ["blocks.layers." + name for name in per_layer])

@@ -41,7 +41,7 @@ def test_llama_15m_is_about_15m_with_grouped_queries_and_no_biases():
     assert cfg.kv_heads < cfg.num_heads
     names = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     assert not [n for n in names if n.endswith("bias")]
-    assert model.blocks.layers[0].attention.key.kernel.shape == (128, 4, 16)
+    assert model.blocks.layers.attention.key.kernel.shape == (8, 128, 4, 16)  # [L, D, K, H]
 
 
 def test_the_zoo_lists_every_config_with_its_size(capsys):
@@ -87,27 +87,16 @@ def test_cached_greedy_decode_equals_full_recompute(name):
         assert tokens == generate_recompute(model, prompt, max_new_tokens=12)[0]
 
 
-def stack_layers(unrolled, scanned, num_layers):
-    """Copy an unrolled model's weights into a scanned one (layers stacked on a new axis)."""
-    flat = dict(nnx.to_flat_state(nnx.state(unrolled, nnx.Param)))
-    state = nnx.state(scanned, nnx.Param)
-    for path, var in nnx.to_flat_state(state):
-        if path[0] == "blocks":
-            var.set_value(jnp.stack([flat[("blocks", "layers", i, *path[2:])].get_value()
-                                     for i in range(num_layers)]))
-        else:
-            var.set_value(flat[path].get_value())
-    nnx.update(scanned, state)
-
-
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-def test_scanned_layers_compute_what_unrolled_layers_do(name):
+def test_scanned_and_unrolled_layers_share_parameters_and_compute_the_same(name):
     cfg = dataclasses.replace(get_config(name), dropout=0.1)
-    unrolled = build_model(cfg, rngs=nnx.Rngs(0))
+    unrolled = build_model(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))
     scanned = build_model(dataclasses.replace(cfg, scan_layers=True), rngs=nnx.Rngs(0))
-    axes = scanned.blocks.layers.attention.query.kernel.get_metadata()["out_sharding"]
-    assert axes[0] == "layers" and scanned.blocks.layers.attention.query.kernel.shape[0] == 2
-    stack_layers(unrolled, scanned, cfg.num_layers)
+    for model in (unrolled, scanned):  # one layout: every block parameter stacked [L, ...]
+        kernel = model.blocks.layers.attention.query.kernel
+        assert kernel.get_metadata()["out_sharding"][0] == "layers" and kernel.shape[0] == 2
+    same = jax.tree.map(np.array_equal, nnx.state(unrolled), nnx.state(scanned))
+    assert all(jax.tree.leaves(same))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50257, (2, 32)), jnp.int32)
     key = jax.random.key(4)
     np.testing.assert_allclose(np.asarray(scanned(tokens, dropout_key=key)),

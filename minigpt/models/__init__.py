@@ -33,6 +33,9 @@ CONFIGS: dict[str, ModelConfig] = {
     "minigpt": ModelConfig(arch="minigpt"),
     "minigpt-tiny": ModelConfig(arch="minigpt", context_len=128, embed_dim=64, num_heads=8,
                                 mlp_dim=128, num_layers=2),
+    # minigpt-tiny with 8 layers: one per stage when a pipeline preset spans 8 devices.
+    "minigpt-tiny8": ModelConfig(arch="minigpt", context_len=128, embed_dim=64, num_heads=8,
+                                 mlp_dim=128, num_layers=8),
     # GPT-2's 124M shape (12 layers, 12 heads, width 768, context 1024).
     "gpt2-small": ModelConfig(**_GPT2, context_len=1024, embed_dim=768, num_heads=12,
                               mlp_dim=3072, num_layers=12),

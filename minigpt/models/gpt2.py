@@ -24,6 +24,7 @@ from minigpt.models.layers import (
     Embedding,
     LayerNorm,
     dropout,
+    split_keys,
 )
 
 normal = nnx.initializers.normal(0.02)
@@ -40,8 +41,8 @@ class TransformerBlock(nnx.Module):
                        use_bias=True, init=normal, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x, positions, kv, key):
-        keys = (None, None) if key is None else jax.random.split(key)
+    def __call__(self, x, positions, kv, keys):
+        keys = split_keys(keys, 2)  # per-row keys for the two dropouts
         y, kv = self.attention(self.norm1(x), positions, kv)
         x = x + dropout(y, self.rate, keys[0])
         x = x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1])
@@ -58,9 +59,9 @@ class GPT2(DecoderLM):
         self.blocks = BlockStack(lambda r: TransformerBlock(cfg, rngs=r), cfg, rngs=rngs)
         self.final_norm = LayerNorm(cfg, rngs=rngs)
 
-    def embed(self, tokens, positions, key=None):
+    def embed(self, tokens, positions, keys=None):
         x = self.tokens(tokens) + self.positions(positions)  # [B, T, D]
-        return dropout(x, self.config.dropout, key)
+        return dropout(x, self.config.dropout, keys)
 
     def head(self, x):
         return self.tokens.attend(self.final_norm(x))  # tied: [..., V]

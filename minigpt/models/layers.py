@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt import kernels
+from minigpt import kernels, pipeline, sharding
 from minigpt.config import ModelConfig
 from minigpt.kernels import ReferenceKernels
 from minigpt.sharding import constrain
@@ -43,17 +43,37 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...],
                      eager_sharding=False)
 
 
-def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    """Inverted dropout; no key means evaluation (identity).
+def row_keys(key: jax.Array, rows: int) -> jax.Array:
+    """One dropout key per row of a batch: fold_in(key, row) for rows 0..rows-1, [rows]."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows))
 
-    Compares raw 32-bit random integers with a threshold instead of drawing uniform floats,
-    which halves the cost of the random numbers on CPU and is exact to 2^-32.
+
+def fold_keys(keys: jax.Array, data: int | jax.Array) -> jax.Array:
+    """Every row's key folded with the same number (a layer's index, say): [B] -> [B]."""
+    return jax.vmap(jax.random.fold_in, (0, None))(keys, data)
+
+
+def split_keys(keys: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
+    """n independent keys per row, as n arrays [B]; no keys (evaluation) gives n Nones."""
+    if keys is None:
+        return (None,) * n
+    split = jax.vmap(jax.random.split, (0, None))(keys, n)  # [B, n]
+    return tuple(split[:, i] for i in range(n))
+
+
+def dropout(x: jax.Array, rate: float, keys: jax.Array | None) -> jax.Array:
+    """Inverted dropout of x [B, ...] with one key per row; no keys means evaluation (identity).
+
+    A row's mask depends only on its own key, so a row sees the same mask whatever batch,
+    microbatch or pipeline stage it is computed in. Compares raw 32-bit random integers with a
+    threshold instead of drawing uniform floats, which halves the cost of the random numbers on
+    CPU and is exact to 2^-32.
     """
-    if key is None or rate == 0.0:
+    if keys is None or rate == 0.0:
         return x
     threshold = min(round(rate * 2**32), 2**32 - 1)
-    keep = jax.random.bits(key, x.shape, jnp.uint32) >= jnp.uint32(threshold)
-    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+    bits = jax.vmap(lambda k: jax.random.bits(k, x.shape[1:], jnp.uint32))(keys)
+    return jnp.where(bits >= jnp.uint32(threshold), x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
 class Dense(nnx.Module):
@@ -214,73 +234,91 @@ def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
 
 
 class BlockStack(nnx.Module):
-    """The transformer blocks, applied in order, with optional rematerialisation.
+    """The transformer blocks: one stacked module whose parameters all have a leading `layers`
+    axis [L, ...], applied in order.
 
-    A block is called as `block(x, positions, kv, key) -> (x, kv)`. With `scan_layers` the
-    blocks are one stacked module (every parameter gains a leading "layers" axis) applied by
-    `nnx.scan`, so the compiled program holds one block however deep the model is; otherwise
-    they are a list unrolled into the program. The stack owns the layout of the key/value
-    cache, so callers treat the cache as opaque.
+    The layout is the same however the stack runs, so a checkpoint moves between all of them:
+    `scan_layers` runs the layers with `lax.scan` (the compiled program holds one block however
+    deep the model is), otherwise as an unrolled loop over the stack's slices; under a preset
+    that splits `layers` over several devices (a pipeline preset) training runs the stack as a
+    GPipe pipeline (`minigpt.pipeline`). A block is called as `block(x, positions, kv, keys)
+    -> (x, kv)`; layer i draws its dropout masks from every row's key folded with i. The stack
+    owns the layout of the key/value cache ([L, B, S, K, H] keys and values), so callers treat
+    the cache as opaque.
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], cfg: ModelConfig, *,
                  rngs: nnx.Rngs):
         self.remat, self.scan, self.num_layers = cfg.remat, cfg.scan_layers, cfg.num_layers
-        if self.scan:
-            @nnx.split_rngs(splits=cfg.num_layers)
-            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def stacked(rngs):
-                return make_block(rngs)
 
-            self.layers = stacked(rngs)
-        else:
-            self.layers = nnx.List([make_block(rngs) for _ in range(cfg.num_layers)])
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked(rngs):
+            return make_block(rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache, key: jax.Array | None):
-        def apply(block, x, kv, layer_key):
-            x, kv = block(x, positions, kv, layer_key)
+        self.layers = stacked(rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None, *,
+                 pipeline_microbatches: int = 0):
+        graphdef, params = nnx.split(self.layers)
+        stages = sharding.active_ways("layers")
+        if cache is not None or stages == 1:
+            return self._run(graphdef, params, x, positions, cache, keys, first_layer=0)
+        per_stage = self.num_layers // stages
+
+        def stage(params, x, extras, index):
+            positions, keys = extras
+            return self._run(graphdef, params, x, positions, None, keys,
+                             first_layer=index * per_stage)[0]
+
+        microbatches = pipeline_microbatches or pipeline.default_microbatches(stages)
+        return pipeline.gpipe(stage, params, x, (positions, keys),
+                              microbatches=microbatches), None
+
+    def _run(self, graphdef, params, x, positions, cache, keys, *, first_layer):
+        """Apply the layers whose stacked parameters are `params`, numbered from first_layer."""
+        def layer(x, layer_params, kv, index):
+            block = nnx.merge(graphdef, layer_params)
+            x, kv = block(x, positions, kv, None if keys is None else fold_keys(keys, index))
             return constrain(x, ACTIVATION_AXES), kv
 
         if self.remat:
-            apply = nnx.remat(apply)
-        # Layer i's dropout key is fold_in(key, i) in both layouts, so they compute the same.
-        keys = (None if key is None else
-                jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(self.num_layers)))
+            layer = jax.checkpoint(layer)
+        count = jax.tree.leaves(params)[0].shape[0]
+        indices = first_layer + jnp.arange(count)
         if self.scan:
-            scan = nnx.scan(apply, in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0),
-                            transform_metadata={nnx.PARTITION_NAME: "layers"})
-            return scan(self.layers, x, cache, keys)
-        new_cache = []
-        for i, block in enumerate(self.layers):
-            x, kv = apply(block, x, None if cache is None else cache[i],
-                          None if keys is None else keys[i])
-            new_cache.append(kv)
-        return x, (None if cache is None else tuple(new_cache))
+            def body(x, xs):
+                return layer(x, *xs)
 
-    def init_cache(self, shape: tuple[int, ...], dtype) -> tuple | list:
-        """Zeros for keys and values of shape [B, S, K, H] in every layer."""
-        axes = ("batch", None, "kv_heads", "kv")
-        if self.scan:
-            stacked = (self.num_layers, *shape)
-            return tuple(constrain(jnp.zeros(stacked, dtype), ("layers", *axes))
-                         for _ in range(2))
-        return tuple(tuple(constrain(jnp.zeros(shape, dtype), axes) for _ in range(2))
-                     for _ in range(self.num_layers))
+            return jax.lax.scan(body, x, (params, cache, indices))
+        new_cache = []
+        for i in range(count):
+            x, kv = layer(x, jax.tree.map(lambda a, i=i: a[i], params),
+                          None if cache is None else jax.tree.map(lambda a, i=i: a[i], cache),
+                          indices[i])
+            new_cache.append(kv)
+        return x, (None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_cache))
+
+    def init_cache(self, shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
+        """Zeros for the keys and values of every layer: two arrays [L, B, S, K, H]."""
+        axes = ("layers", "batch", None, "kv_heads", "kv")
+        return tuple(constrain(jnp.zeros((self.num_layers, *shape), dtype), axes)
+                     for _ in range(2))
 
 
 class DecoderLM(nnx.Module):
     """What every model in the zoo shares: token ids in, next-token logits out.
 
-    Subclasses build `self.blocks` (a BlockStack) and define `embed` (ids and positions, and a
-    dropout key or None, to [B, T, D]) and `head` (final norm and projection, [..., D] to
-    [..., V]).
+    Subclasses build `self.blocks` (a BlockStack) and define `embed` (ids and positions, and
+    per-row dropout keys or None, to [B, T, D]) and `head` (final norm and projection, [..., D]
+    to [..., V]).
     """
 
     config: ModelConfig
     blocks: BlockStack
 
     def embed(self, tokens: jax.Array, positions: jax.Array,
-              key: jax.Array | None = None) -> jax.Array:
+              keys: jax.Array | None = None) -> jax.Array:
         raise NotImplementedError
 
     def head(self, x: jax.Array) -> jax.Array:
@@ -293,12 +331,25 @@ class DecoderLM(nnx.Module):
         """
         return self.logits(self.features(tokens, dropout_key=dropout_key))
 
-    def features(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+    def features(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
+                 pipeline_microbatches: int = 0) -> jax.Array:
         """The last layer's output [B, T, D], before the output head (the loss fuses the head
-        with the softmax, so training never holds all logits at once)."""
+        with the softmax, so training never holds all logits at once).
+
+        `dropout_key` is one key, or one key per row [B] (a train step gives each row of the
+        global batch its own, so microbatches and pipeline stages draw the masks the whole
+        batch would). `pipeline_microbatches` is M for a pipeline preset (0: 2 per stage).
+        """
         B, T = tokens.shape
+        keys = dropout_key
+        if keys is not None and keys.ndim == 0:
+            keys = row_keys(keys, B)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x, _ = self._blocks(tokens, positions, None, dropout_key)
+        # The embedding's dropout keys come after the layers' 0..L-1.
+        embed_keys = None if keys is None else fold_keys(keys, self.config.num_layers)
+        x = constrain(self.embed(tokens, positions, embed_keys), ACTIVATION_AXES)  # [B, T, D]
+        x, _ = self.blocks(x, positions, None, keys,
+                           pipeline_microbatches=pipeline_microbatches)
         return x
 
     def logits(self, x: jax.Array) -> jax.Array:
@@ -313,19 +364,14 @@ class DecoderLM(nnx.Module):
 
         Row b's positions must be consecutive, starting where its cached prefix ends.
         """
-        x, cache = self._blocks(tokens, positions, cache, None)
+        x = constrain(self.embed(tokens, positions), ACTIVATION_AXES)
+        x, cache = self.blocks(x, positions, cache, None)
         return self.logits(x), cache
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32):
         """An empty cache for `batch` rows of at most `length` positions."""
         cfg = self.config
         return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype)
-
-    def _blocks(self, tokens, positions, cache, key):
-        # The embedding's dropout key is the one after the layers' keys 0..L-1.
-        embed_key = None if key is None else jax.random.fold_in(key, self.config.num_layers)
-        x = constrain(self.embed(tokens, positions, embed_key), ACTIVATION_AXES)  # [B, T, D]
-        return self.blocks(x, positions, cache, key)
 
 
 def count_params(model: nnx.Module, cfg: ModelConfig) -> int:

@@ -23,6 +23,7 @@ from minigpt.models.layers import (
     Embedding,
     RMSNorm,
     dropout,
+    split_keys,
 )
 
 normal = nnx.initializers.normal(0.02)
@@ -50,8 +51,8 @@ class TransformerBlock(nnx.Module):
         self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x, positions, kv, key):
-        keys = (None, None) if key is None else jax.random.split(key)
+    def __call__(self, x, positions, kv, keys):
+        keys = split_keys(keys, 2)  # per-row keys for the two dropouts
         y, kv = self.attention(self.norm1(x), positions, kv)
         x = x + dropout(y, self.rate, keys[0])
         x = x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1])
@@ -69,7 +70,7 @@ class Llama(DecoderLM):
                             ("vocab", "embed"), init=normal, use_bias=False, dtype=cfg.dtype,
                             ops=kernels.get(cfg.kernels), rngs=rngs)
 
-    def embed(self, tokens, positions, key=None):
+    def embed(self, tokens, positions, keys=None):
         return self.tokens(tokens)  # [B, T, D]; positions enter through the rotary embedding
 
     def head(self, x):

@@ -22,6 +22,7 @@ from minigpt.models.layers import (
     Embedding,
     LayerNorm,
     dropout,
+    split_keys,
 )
 
 xavier = nnx.initializers.xavier_uniform()
@@ -38,8 +39,8 @@ class TransformerBlock(nnx.Module):
         self.norm2 = LayerNorm(cfg, rngs=rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x, positions, kv, key):
-        keys = (None, None) if key is None else jax.random.split(key)
+    def __call__(self, x, positions, kv, keys):
+        keys = split_keys(keys, 2)  # per-row keys for the two dropouts
         y, kv = self.attention(x, positions, kv)
         x = self.norm1(x + dropout(y, self.rate, keys[0]))
         x = self.norm2(x + dropout(self.mlp(x), self.rate, keys[1]))
@@ -60,7 +61,7 @@ class MiniGPT(DecoderLM):
                             init=xavier, use_bias=True, dtype=cfg.dtype,
                             ops=kernels.get(cfg.kernels), rngs=rngs)
 
-    def embed(self, tokens, positions, key=None):
+    def embed(self, tokens, positions, keys=None):
         # The tutorial applies no dropout to the embeddings.
         return self.tokens(tokens) + self.positions(positions)  # [B, T, D]
 

@@ -213,6 +213,11 @@ def check_divisible(preset: Preset, mesh, abstract_state) -> None:
         spec = preset.spec(axes)
         for dim, (size, entry) in enumerate(zip(var.shape, spec)):
             n = ways(mesh, entry)
+            if size % n and axes[dim] == "layers":
+                raise PresetError(
+                    f"preset {preset.name!r} splits the model's {size} layer(s) into {n} "
+                    f"pipeline stages, and {n} does not divide {size}: choose a model whose "
+                    f"layer count divides by {n}, or another preset")
             if size % n:
                 raise PresetError(
                     f"preset {preset.name!r}: parameter {_path_name(path)} of shape "
@@ -257,6 +262,22 @@ def batch_sharding(preset: Preset, mesh, ndim: int = 2):
 def batch_divisor(preset: Preset, mesh) -> int:
     """How many ways the batch dimension is split: global batches must divide by it."""
     return ways(mesh, preset.spec(("batch",))[0])
+
+
+def batch_share(preset: Preset, mesh, batch_size: int) -> tuple[int, int]:
+    """Which rows of each global batch this process loads, as (share index, share count): its
+    devices' rows. Processes that differ only along an axis the batch is not split over (the
+    `stage` of a pipeline spanning hosts) load the same rows."""
+    shard = batch_sharding(preset, mesh, 1)
+    spans = {(s.start or 0, batch_size if s.stop is None else s.stop)
+             for (s,) in shard.addressable_devices_indices_map((batch_size,)).values()}
+    start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+    size = stop - start
+    if sum(b - a for a, b in spans) != size or batch_size % size or start % size:
+        raise PresetError(f"preset {preset.name!r} gives this process rows {sorted(spans)} of "
+                          f"each batch, which are not one even share: order the mesh axes so "
+                          f"that each process holds a contiguous block of the batch")
+    return start // size, batch_size // size
 
 
 def active_ways(logical: str) -> int:

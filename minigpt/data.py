@@ -7,6 +7,8 @@ directory already holding meta.json is used as it is. The format of what lands o
 
     python -m minigpt.data prepare --dataset tinystories [--version v1|v2] [--out data/]
     python -m minigpt.data prepare --text FILE... [--val-fraction 0.1] [--out data/]
+    (either with --tokenizer gpt2|tinystories-4k|FILE.tiktoken; default gpt2)
+    python -m minigpt.data tokenizer --vocab-size N --text FILE... --out FILE.tiktoken
 """
 
 from __future__ import annotations
@@ -16,53 +18,73 @@ import hashlib
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 
 from minigpt import download, pretokenize
-from minigpt.tokenizer import TokenizerError
+from minigpt.tokenizer import (
+    DEFAULT_TOKENIZER,
+    TokenizerError,
+    load_tokenizer,
+    ranks_file,
+    train_ranks,
+    write_ranks,
+)
 from minigpt.tokens import DataError, load_meta, token_file_problem
 
 DATASETS = {"tinystories": "v1", "tinystories-v1": "v1", "tinystories-v2": "v2"}
 
 
+def _tokenizer_suffix(tokenizer: str) -> str:
+    """What a prepared directory's name gains for a tokenizer other than GPT-2's."""
+    if tokenizer == DEFAULT_TOKENIZER:
+        return ""
+    path = ranks_file(tokenizer)
+    return f"-{path.stem if path is not None else tokenizer}"
+
+
 def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
                         base_url: str | None = None, revision: str | None = None,
-                        progress: bool = True) -> Path:
-    """Download (once) and tokenize (once) TinyStories into `root/tinystories[-v2]/`."""
+                        tokenizer: str = DEFAULT_TOKENIZER, progress: bool = True) -> Path:
+    """Download (once) and tokenize (once per tokenizer) TinyStories into
+    `root/tinystories[-v2][-<tokenizer>]/` (the downloaded text stays in the first)."""
     if version not in download.TINYSTORIES_FILES:
         raise DataError(f"unknown TinyStories version {version!r}: choose v1 or v2")
     revision = revision or download.TINYSTORIES_REVISION
-    out = Path(root) / ("tinystories" if version == "v1" else f"tinystories-{version}")
-    if _still_prepared(out, revision):
+    text_dir = Path(root) / ("tinystories" if version == "v1" else f"tinystories-{version}")
+    out = text_dir.with_name(text_dir.name + _tokenizer_suffix(tokenizer))
+    if _still_prepared(out, text_dir, revision, tokenizer):
         return out
     files = download.TINYSTORIES_FILES[version]
     urls = {split: download.hf_url(name, revision=revision, base_url=base_url)
             for split, name in files.items()}
     for split, name in files.items():
         size, sha256 = download.expected_file(name, revision)
-        download.download_file(urls[split], out / name, size=size, sha256=sha256,
+        download.download_file(urls[split], text_dir / name, size=size, sha256=sha256,
                                progress=progress)
     pretokenize.prepare(
-        out, [out / files["train"]], val_files=[out / files["val"]], complete=True,
+        out, [text_dir / files["train"]], val_files=[text_dir / files["val"]], complete=True,
+        tokenizer=tokenizer,
         dataset={"name": "tinystories", "version": version, "repo": download.HF_REPO,
                  "revision": revision, "urls": urls},
         progress=progress)
     return out
 
 
-def _still_prepared(out: Path, revision: str) -> bool:
+def _still_prepared(out: Path, text_dir: Path, revision: str, tokenizer: str) -> bool:
     """Token files of this revision are complete and no source changed since (deleted is fine:
     a user may remove the 2 GB text once tokenized)."""
     try:
         meta = load_meta(out)
     except DataError:
         return False
-    if (meta.get("dataset") or {}).get("revision") != revision:
+    if (meta.get("dataset") or {}).get("revision") != revision or \
+            meta.get("tokenizer") != tokenizer:
         return False
     if token_file_problem(out, meta):
         return False
     for source in meta["sources"]:
-        path = out / source["file"]
+        path = text_dir / source["file"]
         if path.exists() and (path.stat().st_size, path.stat().st_mtime_ns) != (
                 source["bytes"], source["mtime_ns"]):
             return False
@@ -70,39 +92,78 @@ def _still_prepared(out: Path, revision: str) -> bool:
 
 
 def prepare_text(files: Sequence[str | Path], root: str | Path = "data", *,
-                 val_fraction: float | None = None, progress: bool = True) -> Path:
-    """Tokenize local text files into `root/text-<hash of their contents>/`."""
-    paths = [Path(f) for f in files]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise DataError(f"no such file: {', '.join(missing)} (data is 'tinystories', "
-                        f"'tinystories-v2', a prepared directory, or text files)")
+                 val_fraction: float | None = None, tokenizer: str = DEFAULT_TOKENIZER,
+                 progress: bool = True) -> Path:
+    """Tokenize local text files into `root/text-<hash of their contents>[-<tokenizer>]/`."""
+    paths = _text_files(files)
     combined = hashlib.sha256()
     for path in paths:
         with open(path, "rb") as f:
             combined.update(hashlib.file_digest(f, "sha256").digest())
-    out = Path(root) / f"text-{combined.hexdigest()[:12]}"
-    pretokenize.prepare(out, paths, progress=progress,
+    out = Path(root) / f"text-{combined.hexdigest()[:12]}{_tokenizer_suffix(tokenizer)}"
+    pretokenize.prepare(out, paths, progress=progress, tokenizer=tokenizer,
                         val_fraction=(pretokenize.DEFAULT_VAL_FRACTION if val_fraction is None
                                       else val_fraction),
                         dataset={"name": "text", "files": [str(p.resolve()) for p in paths]})
     return out
 
 
-def resolve_data(data: str | Sequence[str], root: str | Path = "data") -> Path:
+def _text_files(files: Sequence[str | Path]) -> list[Path]:
+    paths = [Path(f) for f in files]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise DataError(f"no such file: {', '.join(missing)} (data is 'tinystories', "
+                        f"'tinystories-v2', a prepared directory, or text files)")
+    return paths
+
+
+def resolve_data(data: str | Sequence[str], root: str | Path = "data",
+                 tokenizer: str | None = None) -> Path:
     """A prepared directory (train.bin, val.bin, meta.json) for a dataset name or text files.
 
     `"tinystories"` / `"tinystories-v2"` download and prepare into `root` on first use; a
-    directory holding meta.json is used as it is; anything else is a list of text files.
+    directory holding meta.json is used as it is (refused if a `tokenizer` is named and it used
+    another); anything else is a list of text files. Text is tokenized with `tokenizer`, GPT-2's
+    when None.
     """
     items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
     if not items:
         raise DataError("no data given: name a dataset (tinystories, tinystories-v2) or files")
     if len(items) == 1 and str(items[0]).lower() in DATASETS:
-        return prepare_tinystories(root, DATASETS[str(items[0]).lower()])
+        return prepare_tinystories(root, DATASETS[str(items[0]).lower()],
+                                   tokenizer=tokenizer or DEFAULT_TOKENIZER)
     if len(items) == 1 and (Path(items[0]) / "meta.json").is_file():
+        used = load_meta(items[0]).get("tokenizer", DEFAULT_TOKENIZER)
+        if tokenizer is not None and used != tokenizer:
+            raise DataError(f"{items[0]} was tokenized with {used!r}, not {tokenizer!r}: give "
+                            f"the text or the dataset name instead and it is prepared again")
         return Path(items[0])
-    return prepare_text(items, root)
+    return prepare_text(items, root, tokenizer=tokenizer or DEFAULT_TOKENIZER)
+
+
+def train_tokenizer(files: Sequence[str | Path], vocab_size: int, out: str | Path) -> dict:
+    """Train a BPE vocabulary on the stories of `files`; write `out` (.tiktoken) and its
+    provenance JSON beside it; return the provenance."""
+    paths = _text_files(files)
+
+    def stories():
+        for path in paths:
+            for batch, _ in pretokenize.StoryFile(path).batches():
+                yield from batch
+
+    ranks = train_ranks(stories(), vocab_size)
+    sources = []
+    for path in paths:
+        with open(path, "rb") as f:
+            sources.append({"file": path.name, "bytes": path.stat().st_size,
+                            "sha256": hashlib.file_digest(f, "sha256").hexdigest()})
+    provenance = {"vocab_size": len(ranks) + 1, "special_tokens": {"<|endoftext|>": len(ranks)},
+                  "trained_on": sources, "trainer": f"rustbpe {version('rustbpe')}",
+                  "pattern": "GPT-2's (minigpt.tokenizer.PATTERN)",
+                  "command": "python -m minigpt.data tokenizer --vocab-size "
+                             f"{vocab_size} --text {' '.join(p.name for p in paths)}"}
+    write_ranks(ranks, out, provenance)
+    return provenance
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,15 +179,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="TinyStories v1 (GPT-3.5 + GPT-4) or v2 (GPT-4 only)")
     prep.add_argument("--val-fraction", type=float, default=None,
                       help="share of local-text stories held out for validation (default 0.1)")
+    prep.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
+                      help="gpt2 (default), tinystories-4k, or a .tiktoken ranks file")
     prep.add_argument("--out", default="data", help="root directory (default: data)")
+    bpe = commands.add_parser("tokenizer", help="train a BPE vocabulary on stories "
+                                                "(needs the optional trainer: .[bpe])")
+    bpe.add_argument("--vocab-size", type=int, required=True,
+                     help="tokens in all, <|endoftext|> included")
+    bpe.add_argument("--text", nargs="+", metavar="FILE", required=True)
+    bpe.add_argument("--out", required=True, metavar="FILE.tiktoken")
     args = parser.parse_args(argv)
-    if args.dataset and args.val_fraction is not None:
+    if args.command == "prepare" and args.dataset and args.val_fraction is not None:
         parser.error("--val-fraction applies to --text; TinyStories has a validation file")
     try:
+        if args.command == "tokenizer":
+            return _train_command(args)
+        load_tokenizer(args.tokenizer)  # a bad name fails before any download
         if args.dataset:
-            out = prepare_tinystories(args.out, args.version)
+            out = prepare_tinystories(args.out, args.version, tokenizer=args.tokenizer)
         else:
-            out = prepare_text(args.text, args.out, val_fraction=args.val_fraction)
+            out = prepare_text(args.text, args.out, val_fraction=args.val_fraction,
+                               tokenizer=args.tokenizer)
         meta = load_meta(out)
     except (DataError, TokenizerError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -137,6 +210,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{out}: train {meta['train_tokens']:,} tokens ({meta['train_stories']:,} stories), "
           f"val {meta['val_tokens']:,} tokens ({meta['val_stories']:,} stories), "
           f"tokenizer {meta['tokenizer']}")
+    return 0
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    if not args.out.endswith(".tiktoken"):
+        raise DataError(f"--out {args.out}: name the ranks file FILE.tiktoken")
+    provenance = train_tokenizer(args.text, args.vocab_size, args.out)
+    enc = load_tokenizer(str(Path(args.out).resolve()))
+    text_bytes = sum(Path(f).stat().st_size for f in args.text)
+    tokens = sum(len(enc.encode_ordinary(Path(f).read_text(encoding="utf-8")))
+                 for f in args.text)
+    print(f"{args.out}: {provenance['vocab_size']:,} tokens; {text_bytes / tokens:.2f} bytes "
+          f"per token on the training text; provenance in {Path(args.out).with_suffix('.json')}")
     return 0
 
 

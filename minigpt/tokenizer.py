@@ -1,5 +1,12 @@
 """Tokenizers: tiktoken encodings by name (GPT-2 by default) and the messages when they fail.
 
+Two kinds of name work: tiktoken's own encodings (`gpt2`), and byte-level BPE vocabularies
+trained on TinyStories that ship with minigpt as ranks files (`tinystories-4k`, in
+`minigpt/vocabularies/`, each beside a JSON file saying how it was made); a path to such a
+`.tiktoken` file works too. Either way the runtime tokenizer is a `tiktoken.Encoding`: the
+shipped vocabularies are their mergeable ranks, GPT-2's split pattern and `<|endoftext|>` as the
+last id. `train_ranks` makes a new one (with the optional `rustbpe` trainer).
+
 tiktoken fetches an encoding's BPE files from OpenAI's blob store on first use and keeps them in
 a cache directory. Without a network and without that cache it fails deep inside `requests`
 with a connection traceback; `load_tokenizer` turns that into one message that says how to
@@ -9,13 +16,25 @@ encoding is `<|endoftext|>`, id 50256 (`enc.eot_token`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
+import json
 import os
 import tempfile
+from collections.abc import Iterable
+from pathlib import Path
 
 import tiktoken
 
+from minigpt.files import write_text_atomic
+
 DEFAULT_TOKENIZER = "gpt2"
+SHIPPED_DIR = Path(__file__).resolve().parent / "vocabularies"
+EOT = "<|endoftext|>"
+# GPT-2's pre-tokenizer: contractions, letter runs, digit runs, punctuation, whitespace. A BPE
+# merge never crosses these pieces.
+PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 class TokenizerError(RuntimeError):
@@ -30,18 +49,37 @@ def _cache_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "data-gym-cache")
 
 
+def shipped_tokenizers() -> list[str]:
+    """Names of the vocabularies that ship with minigpt (`tinystories-4k`, ...)."""
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.tiktoken"))
+
+
+def ranks_file(name: str) -> Path | None:
+    """The ranks file a tokenizer name means, or None for tiktoken's own encodings."""
+    if name in shipped_tokenizers():
+        return SHIPPED_DIR / f"{name}.tiktoken"
+    if name.endswith(".tiktoken") or os.sep in name:
+        return Path(name)
+    return None
+
+
 @functools.cache
 def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> tiktoken.Encoding:
-    """The tiktoken encoding called `name`, loaded once per process.
+    """The tiktoken encoding called `name` (or read from the ranks file `name`), loaded once per
+    process.
 
-    Raises TokenizerError for an unknown name (listing the known ones) and when the encoding's
-    files can be neither read from the cache nor downloaded.
+    Raises TokenizerError for an unknown name (listing the known ones), an unreadable ranks file,
+    and when tiktoken's files can be neither read from the cache nor downloaded.
     """
+    path = ranks_file(name)
+    if path is not None:
+        return _from_ranks(name, path)
     known = tiktoken.list_encoding_names()
     if name not in known:
         raise TokenizerError(
-            f"unknown tokenizer {name!r}: tiktoken {tiktoken.__version__} knows "
-            f"{', '.join(sorted(known))}")
+            f"unknown tokenizer {name!r}: minigpt ships {', '.join(shipped_tokenizers())}; "
+            f"tiktoken {tiktoken.__version__} knows {', '.join(sorted(known))}; or give the "
+            f"path of a .tiktoken ranks file")
     try:
         return tiktoken.get_encoding(name)
     except (OSError, ValueError) as error:
@@ -56,3 +94,52 @@ def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> tiktoken.Encoding:
             f"`tiktoken.get_encoding({name!r})` ran), e.g. "
             f"`export TIKTOKEN_CACHE_DIR=../shared/assets/tiktoken_cache`."
         ) from error
+
+
+def read_ranks(path: Path) -> dict[bytes, int]:
+    """A ranks file: one `<base64 token> <rank>` per line, ranks 0..n-1 (tiktoken's format)."""
+    ranks, number = {}, 0
+    try:
+        lines = path.read_text(encoding="ascii").splitlines()
+        for number, line in enumerate(lines, 1):  # noqa: B007 - the error names the line
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except (OSError, ValueError, binascii.Error) as error:
+        where = f" (line {number})" if number else ""
+        raise TokenizerError(f"cannot read the tokenizer ranks file {path}{where}: "
+                             f"{type(error).__name__}: {error}") from error
+    if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) < 256:
+        raise TokenizerError(f"{path} is not a BPE ranks file: it must rank every byte and "
+                             f"each merge once, 0..n-1 ({len(ranks)} entries)")
+    return ranks
+
+
+def _from_ranks(name: str, path: Path) -> tiktoken.Encoding:
+    ranks = read_ranks(path)
+    return tiktoken.Encoding(name=path.stem, pat_str=PATTERN, mergeable_ranks=ranks,
+                             special_tokens={EOT: len(ranks)})
+
+
+def write_ranks(ranks: dict[bytes, int], path: str | Path, provenance: dict) -> None:
+    """Write a ranks file and, beside it, `<name>.json` saying how it was made."""
+    path = Path(path)
+    lines = [f"{base64.b64encode(token).decode()} {rank}"
+             for token, rank in sorted(ranks.items(), key=lambda item: item[1])]
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    write_text_atomic(path.with_suffix(".json"), json.dumps(provenance, indent=2) + "\n")
+
+
+def train_ranks(texts: Iterable[str], vocab_size: int) -> dict[bytes, int]:
+    """Train a byte-level BPE of `vocab_size` tokens in all (the last is `<|endoftext|>`) with
+    rustbpe, splitting text with GPT-2's pattern; returns the mergeable ranks."""
+    try:
+        import rustbpe  # an optional extra: only retraining a vocabulary needs it
+    except ImportError as error:
+        raise TokenizerError("training a tokenizer needs the BPE trainer: "
+                             "pip install -e \".[bpe]\" (or pip install rustbpe)") from error
+    if vocab_size < 257 + 1:
+        raise TokenizerError(f"vocab size {vocab_size} leaves no room for merges: the 256 "
+                             f"bytes and <|endoftext|> take 257")
+    trainer = rustbpe.Tokenizer()
+    trainer.train_from_iterator(iter(texts), vocab_size - 1, pattern=PATTERN)
+    return {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}

@@ -9,6 +9,7 @@ which defaults to ../shared/assets beside the repository. Where they are absent,
 need TinyStories text use a small synthetic fixture, and tiktoken downloads its files itself.
 """
 
+import json
 import os
 import tempfile
 import threading
@@ -85,6 +86,20 @@ def stories_file(tmp_path_factory) -> Path:
     if real.is_file():
         return real
     return write_synthetic_stories(tmp_path_factory.mktemp("stories") / "stories.txt")
+
+
+@pytest.fixture(scope="session")
+def data_dir(stories_file, tmp_path_factory, gpt2) -> Path:
+    """The stories prepared with GPT-2's tokenizer, once per test process."""
+    from minigpt.data import resolve_data
+
+    return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
+
+
+def losses(run_dir) -> list[float]:
+    """The training losses a run directory's metrics.jsonl records, step by step."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 @pytest.fixture(scope="session")

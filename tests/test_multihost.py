@@ -6,7 +6,6 @@ killed mid-run must bring the whole job down with the last checkpoint intact.
 """
 
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -16,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import losses
 
 from minigpt import train
 from minigpt.config import TrainConfig
-from minigpt.data import resolve_data
 from minigpt.models import get_config
 from minigpt.tokenizer import TokenizerError, load_tokenizer
 
@@ -33,11 +32,6 @@ def tokenizer_available():
         load_tokenizer()
     except TokenizerError as e:
         pytest.skip(f"the multi-process tests need the GPT-2 tokenizer: {e}")
-
-
-@pytest.fixture(scope="module")
-def data_dir(stories_file, tmp_path_factory):
-    return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
 
 
 def config(data_dir, out, preset="fsdp", steps=STEPS) -> TrainConfig:
@@ -77,12 +71,6 @@ def launch(cfg: TrainConfig, tmp_path: Path, *, resume=False) -> str:
     assert proc.returncode == 0, out + "".join(
         p.read_text() for p in (tmp_path / "logs").glob("*.log"))
     return out
-
-
-def losses(run_dir) -> list[float]:
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    return [r["loss"] for r in records if "loss" in r]
 
 
 _references: dict[str, list[float]] = {}

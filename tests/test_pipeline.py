@@ -3,19 +3,17 @@ stage's layers, activations moved by collective permutes, runs that move between
 unpipelined presets through their checkpoints, and bad requests refused before compiling."""
 
 import dataclasses
-import json
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import losses
 from flax import nnx
 
 from minigpt import explain, generate, pipeline, sharding, steps, train
 from minigpt.config import TrainConfig
-from minigpt.data import resolve_data
 from minigpt.models import build_model, get_config
 
 PIPELINES = ["pp", "dp_pp", "fsdp_pp", "pp_tp"]
@@ -231,11 +229,6 @@ def test_explainer_shows_each_stages_layers_and_the_bubble(capsys):
 # Training runs: resume across pipelined and unpipelined presets, bad requests ---------------
 
 
-@pytest.fixture(scope="module")
-def data_dir(stories_file, tmp_path_factory, gpt2):
-    return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
-
-
 MODEL = get_config("minigpt-tiny8")
 
 
@@ -245,11 +238,6 @@ def config(data_dir, tmp_path):
                        out=str(tmp_path / "run"), steps=6, decay_steps=6, batch_size=16,
                        seq_len=32, lr=3e-3, warmup_steps=2, eval_every=6, eval_batches=1,
                        save_every=3, log_every=1, pipeline_microbatches=8)
-
-
-def losses(run_dir) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").open())
-            if "loss" in r]
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import losses
 from flax import nnx
 
 from minigpt import generate, train
 from minigpt.checkpoint import TEMPORARY_MARK, Checkpointer, CheckpointError
 from minigpt.config import ConfigError, TrainConfig
-from minigpt.data import resolve_data
 from minigpt.models import build_model, get_config
 
 MODEL = get_config("minigpt-tiny")
-
-
-@pytest.fixture(scope="module")
-def data_dir(stories_file, tmp_path_factory, gpt2):
-    return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture
@@ -35,11 +30,6 @@ def config(data_dir, tmp_path):
                        out=str(tmp_path / "run"), steps=6, decay_steps=8, batch_size=8,
                        seq_len=32, lr=3e-3, warmup_steps=2, eval_every=100, eval_batches=1,
                        save_every=2, log_every=1)
-
-
-def losses(run_dir) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (Path(run_dir) / "metrics.jsonl").open())
-            if "loss" in r]
 
 
 def files_digest(directory: Path) -> dict[str, str]:

@@ -8,14 +8,6 @@ import tiktoken
 from minigpt.tokenizer import DEFAULT_TOKENIZER, TokenizerError, load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def gpt2():
-    try:
-        return load_tokenizer()
-    except TokenizerError as error:
-        pytest.skip(f"GPT-2 tokenizer unavailable here: {error}")
-
-
 def test_default_is_gpt2_with_endoftext_separator(gpt2):
     assert DEFAULT_TOKENIZER == "gpt2"
     assert gpt2.name == "gpt2"

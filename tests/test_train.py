@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import losses
 
 from minigpt import generate, steps, train
 from minigpt.config import TrainConfig
-from minigpt.data import resolve_data
 from minigpt.models import get_config
 from minigpt.tokenizer import TokenizerError, load_tokenizer
 
@@ -27,11 +27,6 @@ def tokenizer_available():
         pytest.skip(f"the trainer tests need the GPT-2 tokenizer: {e}")
 
 
-@pytest.fixture(scope="module")
-def data_dir(stories_file, tmp_path_factory):
-    return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
-
-
 @pytest.fixture
 def config(data_dir, tmp_path):
     """A short run of the tiny model: 8 sequences of 32 tokens a step on 8 devices."""
@@ -39,11 +34,6 @@ def config(data_dir, tmp_path):
                        out=str(tmp_path / "run"), steps=6, decay_steps=6, batch_size=8,
                        seq_len=32, lr=3e-3, warmup_steps=2, eval_every=3, eval_batches=2,
                        save_every=3, log_every=1)
-
-
-def losses(run_dir) -> list[float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r]
 
 
 def test_a_run_writes_its_directory_and_honest_metrics(config):

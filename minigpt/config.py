@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import tomllib
 import types
 import typing
 from dataclasses import dataclass
@@ -53,6 +55,10 @@ class ModelConfig:
     # Which implementation of the backend-tuned operations to run (minigpt.kernels): "auto"
     # picks the CPU-tuned ones on a CPU and the plain ones elsewhere. Both compute the same.
     kernels: str = "auto"
+    # The tokenizer the model reads and writes (minigpt.tokenizer): "gpt2", a vocabulary shipped
+    # in minigpt/vocabularies (e.g. "tinystories-4k") or a .tiktoken file. Runs from before this
+    # field existed used GPT-2's.
+    tokenizer: str = "gpt2"
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_len", "embed_dim", "num_heads", "mlp_dim",
@@ -109,7 +115,9 @@ class TrainConfig:
     pipeline_microbatches: int = 0
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    warmup_steps: int = 100
+    # Linear warm-up steps; -1: a tenth of the run, at most 100 (`warmup_for`), so short runs
+    # reach their peak rate too.
+    warmup_steps: int = -1
     decay_steps: int = 0  # step at which the cosine reaches its floor; 0: at `steps`
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -122,6 +130,11 @@ class TrainConfig:
     save_every: int = 500
     keep_checkpoints: int = 3
     profile_steps: str = ""  # "a:b" writes a profiler trace of steps a..b-1
+    # Seconds of wall-clock time to train for (compilation included); 0: train `steps` steps.
+    # The trainer measures its step time, turns the budget into a step count once (recorded in
+    # config.json) and fits the learning-rate schedule to it, so the cosine ends with the time.
+    time_budget: float = 0.0
+    recipe: str = ""  # the recipe (recipes/*.toml) the run started from, for the record
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "microbatches", "log_every", "eval_every",
@@ -133,8 +146,11 @@ class TrainConfig:
             raise ConfigError(
                 f"train.batch_size ({self.batch_size}) must be divisible by "
                 f"train.microbatches ({self.microbatches})")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ConfigError("train.lr must be > 0, min_lr_ratio in [0, 1], warmup_steps >= 0")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < -1:
+            raise ConfigError("train.lr must be > 0, min_lr_ratio in [0, 1], warmup_steps >= 0 "
+                              "(or -1: a tenth of the run, at most 100)")
+        if self.time_budget < 0:
+            raise ConfigError(f"train.time_budget must be >= 0 seconds, got {self.time_budget}")
         if self.pipeline_microbatches < 0:
             raise ConfigError(f"train.pipeline_microbatches must be >= 0 (0: two per stage), "
                               f"got {self.pipeline_microbatches}")
@@ -144,6 +160,26 @@ class TrainConfig:
             raise ConfigError(f"train.seq_len must be >= 0, got {self.seq_len}")
         if self.profile_steps:
             parse_step_range(self.profile_steps)
+
+
+def warmup_for(cfg: TrainConfig) -> int:
+    """The warm-up steps of a run: as configured, or (-1) a tenth of its horizon, at most 100."""
+    if cfg.warmup_steps >= 0:
+        return cfg.warmup_steps
+    return max(1, min(100, (cfg.decay_steps or cfg.steps) // 10))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "90s", "10m", "1.5h" or "1h30m"."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "": 1.0}
+    parts = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?\s*[hms]?\s*)+)", text or "")
+    pieces = re.findall(r"(\d+(?:\.\d*)?)\s*([hms]?)", text) if parts else []
+    if not pieces or (len(pieces) > 1 and any(unit == "" for _, unit in pieces)):
+        raise ConfigError(f"expected a duration such as 600, 90s, 10m or 1h30m, got {text!r}")
+    seconds = sum(float(n) * units[unit] for n, unit in pieces)
+    if seconds <= 0:
+        raise ConfigError(f"a time budget must be positive, got {text!r}")
+    return seconds
 
 
 def parse_step_range(text: str) -> tuple[int, int]:
@@ -200,6 +236,68 @@ def apply_overrides(model: ModelConfig, train: TrainConfig,
             dataclasses.replace(train, **changes["train"]))
 
 
+def read_named_toml(name_or_path: str | Path, directory: Path, kind: str,
+                    error: type[Exception]) -> tuple[Path, dict[str, Any]]:
+    """The file `directory/<name>.toml` (a preset, a recipe), or the .toml file at a path, and
+    its contents. An unknown name (the message lists the known ones) or invalid TOML raises
+    `error`."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = directory / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in directory.glob("*.toml"))) or "(none found)"
+        raise error(f"unknown {kind} {str(name_or_path)!r}: choose one of {known} or give the "
+                    f"path of a .toml file")
+    try:
+        return path, tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{kind} {path.stem!r} ({path}) is not valid TOML: {e}") from None
+
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named way to train: a zoo model (with optional field changes) and training settings,
+    read from a small TOML file in recipes/. Command-line flags override what it says."""
+
+    name: str
+    description: str
+    model: str
+    model_fields: dict[str, Any]
+    train_fields: dict[str, Any]
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A recipe by name (recipes/<name>.toml) or by path, with every field checked."""
+    path, data = read_named_toml(name_or_path, RECIPES_DIR, "recipe", ConfigError)
+    unknown = sorted(set(data) - {"description", "model", "train"})
+    if unknown or not isinstance(data.get("model"), dict) or "name" not in data["model"]:
+        raise ConfigError(f"recipe {path}: expected `description`, a [model] table with `name` "
+                          f"(a zoo entry) and optional field changes, and a [train] table"
+                          + (f"; unknown keys {unknown}" if unknown else ""))
+    model_fields = dict(data["model"])
+    model = str(model_fields.pop("name"))
+    train_fields = dict(data.get("train", {}))
+    if isinstance(train_fields.get("time_budget"), str):
+        train_fields["time_budget"] = parse_duration(train_fields["time_budget"])
+    for table, cls, fields in (("model", ModelConfig, model_fields),
+                               ("train", TrainConfig, train_fields)):
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(fields) - known:
+            raise ConfigError(f"recipe {path}: unknown [{table}] fields "
+                              f"{sorted(set(fields) - known)}")
+        if "data" in fields:
+            fields["data"] = tuple(fields["data"])
+    return Recipe(name=path.stem, description=str(data.get("description", "")), model=model,
+                  model_fields=model_fields, train_fields=train_fields)
+
+
 def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(values) - known)
@@ -221,5 +319,7 @@ def load_run_config(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} does not exist: is this a minigpt run directory?") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); the run directory is damaged") from None
+    # Runs from before models named their tokenizer recorded only the data's.
+    payload["model"].setdefault("tokenizer", payload.get("tokenizer", "gpt2"))
     payload["model"] = model_config_from_dict(payload["model"])
     return payload

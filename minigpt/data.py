@@ -136,7 +136,9 @@ def resolve_data(data: str | Sequence[str], root: str | Path = "data",
         used = load_meta(items[0]).get("tokenizer", DEFAULT_TOKENIZER)
         if tokenizer is not None and used != tokenizer:
             raise DataError(f"{items[0]} was tokenized with {used!r}, not {tokenizer!r}: give "
-                            f"the text or the dataset name instead and it is prepared again")
+                            f"the text or the dataset name instead and it is prepared again "
+                            f"(or, to train on it, choose a model with that tokenizer: "
+                            f"--tokenizer {used})")
         return Path(items[0])
     return prepare_text(items, root, tokenizer=tokenizer or DEFAULT_TOKENIZER)
 

@@ -259,10 +259,10 @@ def load_for_generation(run: str | Path, preset_name: str = "dp"):
     except ConfigError as e:
         raise GenerationError(str(e)) from None
     cfg = saved["model"]
-    tokenizer = load_tokenizer(saved.get("tokenizer", "gpt2"))
+    tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.n_vocab != cfg.vocab_size:
         raise GenerationError(
-            f"{run} was trained with tokenizer {saved.get('tokenizer')!r} and a vocabulary of "
+            f"{run} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
             f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
     if not (run / "checkpoints").is_dir():
         raise GenerationError(f"{run} holds no checkpoints/ directory: train it first")

@@ -4,6 +4,7 @@ The notebooks in `notebooks/` call these instead of pasting the same set-up cell
 
     from minigpt.notebook import setup, story_files
     nb = setup()                      # 8 simulated CPU devices unless an accelerator is attached
+                                      # (setup(devices=1): the CPU as it is)
     files = story_files(nb.runs)      # TinyStories text: local files, or the pinned download
 
 Environment variables let the test suite run the notebooks small and offline: `MINIGPT_SMALL=1`
@@ -48,7 +49,8 @@ def setup(devices: int = 8) -> NotebookSetup:
         set_simulated_devices(devices)
     import jax
 
-    print(f"{jax.device_count()} devices: {jax.devices()}")
+    count = jax.device_count()
+    print(f"{count} device{'s' if count > 1 else ''}: {jax.devices()}")
     runs = Path(os.environ.get("MINIGPT_RUNS", "runs"))
     runs.mkdir(parents=True, exist_ok=True)
     return NotebookSetup(small=os.environ.get("MINIGPT_SMALL") == "1", runs=runs)

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from minigpt import kernels, pipeline
-from minigpt.config import TrainConfig
+from minigpt.config import TrainConfig, warmup_for
 from minigpt.models import DecoderLM
 from minigpt.models.layers import DECAYED_PARAMETERS, row_keys
 
@@ -46,7 +46,7 @@ class LRSchedule:
 
 
 def lr_schedule(cfg: TrainConfig) -> LRSchedule:
-    return LRSchedule(peak=cfg.lr, floor=cfg.lr * cfg.min_lr_ratio, warmup=cfg.warmup_steps,
+    return LRSchedule(peak=cfg.lr, floor=cfg.lr * cfg.min_lr_ratio, warmup=warmup_for(cfg),
                       decay_end=cfg.decay_steps or cfg.steps)
 
 

@@ -38,9 +38,12 @@ from minigpt.config import (
     ModelConfig,
     TrainConfig,
     apply_overrides,
+    load_recipe,
     load_run_config,
+    parse_duration,
     parse_step_range,
     save_run_config,
+    warmup_for,
 )
 from minigpt.data import resolve_data
 from minigpt.files import write_text_atomic
@@ -126,6 +129,7 @@ class Run:
     rng: jax.Array
     pipeline_microbatches: int = 0  # 0: the preset has no pipeline
     step: int = 0  # steps done
+    started: float = 0.0  # time.monotonic() when the data was ready: a time budget starts here
 
     @property
     def is_writer(self) -> bool:
@@ -158,6 +162,10 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool) -
     if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise ConfigError(f"{out} already holds checkpoints: pass --resume to continue it, "
                           f"or choose another --out")
+    if train_cfg.time_budget and jax.process_count() > 1:
+        # Each process would time its own steps and could settle on another step count.
+        raise ConfigError("a time budget is for single-process runs; in a multi-process job "
+                          "give --steps")
     seq_len = train_cfg.seq_len or model_cfg.context_len
     if seq_len > model_cfg.context_len:
         raise ConfigError(f"train.seq_len {seq_len} exceeds the model's context "
@@ -165,14 +173,16 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool) -
     preset = sharding.load_preset(train_cfg.preset)
     mesh = sharding.make_mesh(preset)
     pieces = check_layout(model_cfg, train_cfg, preset, mesh)
-    data_dir = _prepare_data(train_cfg)
+    data_dir = _prepare_data(train_cfg, model_cfg.tokenizer)
+    started = time.monotonic()
     meta = load_meta(data_dir)
     if meta["vocab_size"] != model_cfg.vocab_size:
         raise ConfigError(
             f"{data_dir} was tokenized with {meta['tokenizer']!r} ({meta['vocab_size']:,} "
             f"tokens), but model {train_cfg.model!r} has a vocabulary of "
-            f"{model_cfg.vocab_size:,}: prepare the data with the model's tokenizer, or "
-            f"choose a model whose vocabulary matches")
+            f"{model_cfg.vocab_size:,} ({model_cfg.tokenizer!r}): give the text or dataset "
+            f"name so it is prepared with the model's tokenizer, or pass --tokenizer "
+            f"{meta['tokenizer']} to train a model with that one")
     model, optimizer = init_state(model_cfg, train_cfg, preset, mesh)
     share, shares = sharding.batch_share(preset, mesh, train_cfg.batch_size)
     batches = batch_iterator(data_dir, "train", seq_len=seq_len,
@@ -185,7 +195,7 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool) -
                preset=preset, mesh=mesh, data_dir=data_dir,
                tokenizer=meta["tokenizer"], model=model, optimizer=optimizer,
                checkpointer=checkpointer, batches=batches, rng=jax.random.key(train_cfg.seed),
-               pipeline_microbatches=pieces)
+               pipeline_microbatches=pieces, started=started)
 
 
 def restore(run: Run) -> None:
@@ -212,12 +222,18 @@ def write_run_files(run: Run) -> None:
     if not run.is_writer:
         return
     run.out.mkdir(parents=True, exist_ok=True)
-    save_run_config(run.out / "config.json", run.model_cfg, run.train_cfg,
-                    preset=run.preset.name, tokenizer=run.tokenizer, data_dir=str(run.data_dir))
+    _write_config(run)
     path = run.out / "metrics.jsonl"
     if path.exists():  # on resume, forget metrics of steps after the checkpoint: they rerun
         kept = [r for r in read_metrics(path) if r["step"] <= run.step]
         write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _write_config(run: Run, **extra: Any) -> None:
+    if run.is_writer:
+        save_run_config(run.out / "config.json", run.model_cfg, run.train_cfg,
+                        preset=run.preset.name, tokenizer=run.tokenizer,
+                        data_dir=str(run.data_dir), **extra)
 
 
 def run_loop(run: Run) -> bool:
@@ -226,21 +242,21 @@ def run_loop(run: Run) -> bool:
     Step k is dispatched before the metrics of step k-1 are read, so the host never waits for
     the step it just queued. Checkpoints and evaluation wait for their step to finish.
     """
-    cfg = run.train_cfg
     put = sharding.put_batch_fn(run.preset, run.mesh)
-    schedule = steps.lr_schedule(cfg)
+    schedule = steps.lr_schedule(run.train_cfg)
     recorder = _Recorder(run)
-    profiler = _Profiler(run.out / "profile", cfg.profile_steps)
+    budget = _Budget(run)
+    profiler = _Profiler(run.out / "profile", run.train_cfg.profile_steps)
     pending = None
     # In a multi-process job all processes must stop at the same step to save together;
     # there Ctrl-C (or the launcher) stops them all and --resume uses the last checkpoint.
     interrupts = _StopOnInterrupt() if jax.process_count() == 1 else _NoInterrupts()
     try:
         with sharding.use_preset(run.preset, run.mesh), interrupts as stop:
-            while run.step < cfg.steps and not stop.requested:
+            while run.step < run.train_cfg.steps and not stop.requested:
                 profiler.before(run.step, pending, run.checkpointer)
                 metrics = steps.train_step(run.model, run.optimizer, put(next(run.batches)),
-                                           run.rng, microbatches=cfg.microbatches,
+                                           run.rng, microbatches=run.train_cfg.microbatches,
                                            pipeline_microbatches=run.pipeline_microbatches,
                                            schedule=schedule)
                 run.step += 1
@@ -248,10 +264,13 @@ def run_loop(run: Run) -> bool:
                     recorder.record(*pending)
                 pending = (run.step, metrics)
                 profiler.after(run.step, metrics)
+                if budget.check(run, metrics, recorder):  # the step count was just decided
+                    schedule = steps.lr_schedule(run.train_cfg)
+                budget.out_of_time(run)
                 _save_and_evaluate(run, metrics, put, recorder)
             if pending is not None:
                 recorder.record(*pending)
-            interrupted = stop.requested and run.step < cfg.steps
+            interrupted = stop.requested and run.step < run.train_cfg.steps
             if interrupted:
                 _save(run)
     finally:
@@ -317,15 +336,113 @@ def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
     return summary
 
 
-def _prepare_data(train_cfg: TrainConfig) -> Path:
-    """Download and tokenize on first use. In a multi-process job process 0 goes first and the
-    others wait, then reuse its files (shared file system) or prepare their own copy."""
+def _prepare_data(train_cfg: TrainConfig, tokenizer: str) -> Path:
+    """Download and tokenize (with the model's tokenizer) on first use. In a multi-process job
+    process 0 goes first and the others wait, then reuse its files (shared file system) or
+    prepare their own copy."""
+    def prepare():
+        return resolve_data(train_cfg.data, train_cfg.data_root, tokenizer=tokenizer)
+
     if jax.process_count() == 1:
-        return resolve_data(train_cfg.data, train_cfg.data_root)
-    data_dir = resolve_data(train_cfg.data, train_cfg.data_root) if jax.process_index() == 0 \
-        else None
+        return prepare()
+    data_dir = prepare() if jax.process_index() == 0 else None
     multihost_utils.sync_global_devices("minigpt: data prepared by process 0")
-    return data_dir or resolve_data(train_cfg.data, train_cfg.data_root)
+    return data_dir or prepare()
+
+
+class _Budget:
+    """A wall-clock budget (`train.time_budget`) turned into a step count.
+
+    The run starts with an open-ended schedule (the warm-up only). Once the first step (which
+    compiles) is done and a few more have run (at least PROBE steps and 5% of the budget), it
+    knows how long compiling took and how long a step takes: it fixes `train.steps` to what
+    fits in the time left (periodic evaluations and the recompilation the new schedule needs
+    set aside) and fits the cosine to it. Halfway through the rest it measures the pace again
+    (evaluations and checkpoints included) and, if the run would miss the deadline by more
+    than 2% of the budget, fits once more. Each fit is recorded in config.json with
+    `time_budget` cleared, so a resumed run continues to the same step with the same rates. If
+    the time runs out anyway, the run stops (and saves) there. The final save, evaluation and
+    sample come after the budget.
+    """
+
+    PROBE = 8
+    PROBE_FRACTION = 0.05
+    TOLERANCE = 0.02  # of the budget: a refit (or a stop) only past this
+
+    def __init__(self, run: Run):
+        self.seconds = run.train_cfg.time_budget
+        self.deadline = run.started + self.seconds
+        self.loop_start = time.monotonic()
+        self.mark: tuple[int, float] | None = None  # (step, time) the pace is measured from
+        self.compile_s = 0.0
+        self.check_at = 0  # the step of the next measurement; 0: right after the next step
+        self.fits = 0
+        self.record: dict[str, Any] = {"seconds": self.seconds}
+
+    def check(self, run: Run, metrics, recorder: _Recorder) -> bool:
+        """Called after each step is dispatched; True when the schedule was just (re)fitted."""
+        if not self.seconds:
+            return False
+        if run.step < self.check_at:
+            return False
+        jax.block_until_ready(metrics)
+        now = time.monotonic()
+        if self.mark is None:  # the first step (and the compilation) just finished
+            self.mark, self.compile_s = (run.step, now), now - self.loop_start
+            self.check_at = run.step + self.PROBE
+            return False
+        if self.fits and run.step == self.mark[0] + 1 and self.check_at == run.step:
+            # the step after a fit, which recompiled: measure the pace from here (once more at
+            # most: every fit costs a compilation)
+            self.mark = (run.step, now)
+            if self.fits == 2:
+                self.seconds = 0
+            self.check_at = run.step + max(1, (run.train_cfg.steps - run.step) // 2)
+            return False
+        pace = (now - self.mark[1]) / (run.step - self.mark[0])
+        if self.fits == 0:
+            if now - self.mark[1] < self.PROBE_FRACTION * self.seconds:
+                self.check_at = run.step + 1
+                return False
+            self.compile_s = max(0.0, self.compile_s - pace)
+            cfg = run.train_cfg  # a forward pass costs about a third of a training step
+            pace *= 1 + cfg.eval_batches / (3 * cfg.eval_every)
+        else:
+            miss = now + pace * (run.train_cfg.steps - run.step) - self.deadline
+            if abs(miss) <= self.TOLERANCE * self.seconds:
+                self.seconds = 0  # on time: from here, only the deadline check below
+                return False
+        left = self.deadline - now - self.compile_s
+        total = max(run.step, run.step + int(left / pace))
+        self._fit(run, total, pace, recorder)
+        return True
+
+    def _fit(self, run: Run, total: int, pace: float, recorder: _Recorder) -> None:
+        self.fits += 1
+        run.train_cfg = dataclasses.replace(run.train_cfg, steps=total, time_budget=0.0)
+        run.optimizer.tx = steps.make_optimizer(run.train_cfg)
+        self.record.update(steps=total, compile_s=round(self.compile_s, 2),
+                           **{f"fit{self.fits}": {"at_step": run.step,
+                                                  "s_per_step": round(pace, 4)}})
+        _write_config(run, time_budget=self.record)
+        recorder.set_total(total)
+        self.mark, self.check_at = (run.step, time.monotonic()), run.step + 1
+        log(f"time budget {self.record['seconds']:g} s: compiling took {self.compile_s:.1f} s "
+            f"and a step takes {pace:.3f} s, so the run trains {total} steps (schedule fitted "
+            f"at step {run.step})")
+
+    def out_of_time(self, run: Run) -> bool:
+        """Past the deadline (and its tolerance) with steps still to go: stop at this step."""
+        budget = self.record["seconds"]
+        if not budget or time.monotonic() < self.deadline + self.TOLERANCE * budget:
+            return False
+        if run.step < run.train_cfg.steps:
+            log(f"the time budget ran out at step {run.step} of {run.train_cfg.steps} (steps "
+                f"were slower than measured); stopping here")
+            run.train_cfg = dataclasses.replace(run.train_cfg, steps=run.step, time_budget=0.0)
+            self.record["steps"] = run.step
+            _write_config(run, time_budget=self.record)
+        return True
 
 
 class TrainingDiverged(RuntimeError):
@@ -345,8 +462,10 @@ class _Recorder:
         self.devices, self.log_every = run.mesh.size, cfg.log_every
         self.timer = _StepTimer()
         self.log = MetricsLog(run.out / "metrics.jsonl", enabled=run.is_writer)
-        self.progress = (tqdm(total=cfg.steps, initial=run.step, desc="train", unit="step",
-                              dynamic_ncols=True) if run.is_writer else None)
+        total = None if cfg.time_budget else cfg.steps  # a budget decides the steps later
+        self.progress = (tqdm(total=total, initial=run.step, desc="train", unit="step",
+                              dynamic_ncols=True, mininterval=_progress_interval())
+                         if run.is_writer else None)
         log(f"preset {run.preset.name} on mesh {dict(run.mesh.shape)}; "
             f"{self.tokens_per_step:,} tokens/step; MFU against {self.peak / 1e12:.2f} "
             f"TFLOP/s per device ({peak_source})")
@@ -366,7 +485,7 @@ class _Recorder:
             f"step {step}: the loss is {values['loss']} and the gradient norm "
             f"{values['grad_norm']}: training diverged and stopped ({kept}). Likely causes: a "
             f"learning rate too high for this model and batch (peak lr {cfg.lr:g}), too short a "
-            f"warm-up ({cfg.warmup_steps} steps) or overflow in {run.model_cfg.dtype}. Continue "
+            f"warm-up ({warmup_for(cfg)} steps) or overflow in {run.model_cfg.dtype}. Continue "
             f"with a lower rate: python -m minigpt.train --out {run.out} --resume "
             f"--lr {cfg.lr / 10:g}")
 
@@ -385,6 +504,11 @@ class _Recorder:
                                           tok_s=f"{entry['tokens_per_s']:,.0f}",
                                           mfu=f"{entry['mfu']:.3f}")
 
+    def set_total(self, steps: int) -> None:
+        if self.progress is not None:
+            self.progress.total = steps
+            self.progress.refresh()
+
     def record_eval(self, step: int, loss: float) -> None:
         self.log.write({"step": step, "eval_loss": loss,
                         "eval_perplexity": math.exp(min(loss, 50))})
@@ -395,6 +519,12 @@ class _Recorder:
         self.log.close()
         if self.progress is not None:
             self.progress.close()
+
+
+def _progress_interval() -> float:
+    """Seconds between progress bar updates: often on a terminal, rarely where each update is
+    kept (a notebook's saved output, a log file)."""
+    return 0.5 if sys.stderr.isatty() else 10.0
 
 
 class _Profiler:
@@ -479,6 +609,14 @@ class _StepTimer:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minigpt.train", description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", help="a named way to train (a file in recipes/, e.g. "
+                                    "stories-cpu, or a .toml path): model, tokenizer and "
+                                    "settings; the other flags override it")
+    p.add_argument("--time-budget", metavar="DURATION",
+                   help="train for this long (e.g. 10m, 90s, 1h; compilation included) with "
+                        "the learning-rate schedule fitted to it, instead of --steps")
+    p.add_argument("--tokenizer", help="gpt2, a shipped vocabulary (tinystories-4k) or a "
+                                       ".tiktoken file; sets the model's vocabulary to match")
     p.add_argument("--preset", help="parallelism preset: a name in presets/ or a .toml path "
                                     "(default fsdp)")
     p.add_argument("--model", help="model name from the zoo (default minigpt)")
@@ -518,12 +656,24 @@ FLAG_FIELDS = {"preset": "preset", "data": "data", "steps": "steps", "batch_size
 
 
 def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]:
-    """Configs from flags; on --resume, the run's saved configs with the flags given on top."""
+    """Configs from flags; on --resume, the run's saved configs with the flags given on top.
+
+    A new run starts from the defaults, then the recipe (if any), then the flags, then --set.
+    """
     given = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()
              if getattr(args, flag) is not None}
     if "data" in given:
         given["data"] = tuple(given["data"])
+    if args.time_budget is not None:
+        if args.steps is not None:
+            raise ConfigError("give --steps or --time-budget, not both")
+        given["time_budget"] = parse_duration(args.time_budget)
+    elif args.steps is not None:
+        given["time_budget"] = 0.0  # a step count given on the command line wins over a recipe
     out = Path(args.out or TrainConfig.out)
+    if args.resume and (args.recipe or args.tokenizer):
+        raise ConfigError("--recipe and --tokenizer apply to a new run; a resumed run keeps "
+                          "its own (drop them, or train into a new --out)")
     if args.resume:
         saved = load_run_config(out / "config.json")
         model_cfg = saved["model"]
@@ -541,9 +691,28 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
                 raise ConfigError(f"cannot resume {out} with a different model ({details}); "
                                   f"drop those options or train into a new --out")
         return resumed, train_cfg
-    model_cfg = get_config(args.model or TrainConfig.model)
-    train_cfg = TrainConfig(**{**given, "model": args.model or TrainConfig.model})
+    if args.recipe:
+        model_cfg, train_cfg = recipe_configs(args.recipe, model=args.model, **given)
+    else:
+        model_cfg = get_config(args.model or TrainConfig.model)
+        train_cfg = TrainConfig(**{**given, "model": args.model or TrainConfig.model})
+    if args.tokenizer:
+        model_cfg = dataclasses.replace(model_cfg, tokenizer=args.tokenizer,
+                                        vocab_size=load_tokenizer(args.tokenizer).n_vocab)
     return apply_overrides(model_cfg, train_cfg, args.set)
+
+
+def recipe_configs(name_or_path: str, model: str | None = None,
+                   **train_changes: Any) -> tuple[ModelConfig, TrainConfig]:
+    """The configs a recipe (recipes/<name>.toml) describes, with `train_changes` on top.
+    Another `model` replaces the recipe's (and drops its changes to the model's fields)."""
+    recipe = load_recipe(name_or_path)
+    model_cfg = get_config(model or recipe.model)
+    if model in (None, recipe.model):
+        model_cfg = dataclasses.replace(model_cfg, **recipe.model_fields)
+    train_cfg = TrainConfig(**{**recipe.train_fields, "recipe": recipe.name, **train_changes,
+                               "model": model or recipe.model})
+    return model_cfg, train_cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:

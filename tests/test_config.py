@@ -11,11 +11,17 @@ from minigpt.config import (
     ModelConfig,
     TrainConfig,
     apply_overrides,
+    available_recipes,
+    load_recipe,
     load_run_config,
     model_config_from_dict,
+    parse_duration,
     parse_step_range,
     save_run_config,
+    warmup_for,
 )
+from minigpt.models import get_config
+from minigpt.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -98,3 +104,63 @@ def test_a_config_json_without_newer_fields_still_loads(tmp_path):
     del values["kernels"]  # written before the field existed
     (tmp_path / "config.json").write_text(json.dumps({"model": values, "train": {}}))
     assert load_run_config(tmp_path / "config.json")["model"].kernels == "auto"
+
+
+def test_a_run_from_before_models_named_their_tokenizer_keeps_the_data_tokenizer(tmp_path):
+    values = dataclasses.asdict(ModelConfig(vocab_size=4096))
+    del values["tokenizer"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model": values, "train": {}, "tokenizer": "tinystories-4k"}))
+    assert load_run_config(path)["model"].tokenizer == "tinystories-4k"
+    path.write_text(json.dumps({"model": values, "train": {}}))  # older still: GPT-2's
+    assert load_run_config(path)["model"].tokenizer == "gpt2"
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("600", 600), ("90s", 90), ("10m", 600), ("1.5h", 5400), ("1h30m", 5400), ("2m30s", 150)])
+def test_durations_are_read_in_hours_minutes_and_seconds(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "ten minutes", "10x", "0", "0m", "1h 30", "-5m"])
+def test_bad_durations_are_refused(text):
+    with pytest.raises(ConfigError, match="duration|positive"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("steps, warmup, expected", [
+    (40, -1, 4), (5, -1, 1), (500, -1, 50), (5000, -1, 100), (40, 25, 25), (40, 0, 0)])
+def test_warmup_defaults_to_a_tenth_of_the_run_capped_at_100(steps, warmup, expected):
+    assert warmup_for(TrainConfig(steps=steps, warmup_steps=warmup)) == expected
+    assert warmup_for(TrainConfig(steps=10_000, decay_steps=steps, warmup_steps=warmup)) \
+        == expected
+
+
+def test_every_shipped_recipe_names_a_zoo_model_and_valid_settings():
+    assert "stories-cpu" in available_recipes()
+    for name in available_recipes():
+        recipe = load_recipe(name)
+        model = dataclasses.replace(get_config(recipe.model), **recipe.model_fields)
+        assert load_tokenizer(model.tokenizer).n_vocab == model.vocab_size
+        train = TrainConfig(**recipe.train_fields)
+        assert recipe.description and train.time_budget > 0
+
+
+@pytest.mark.parametrize("text, message", [
+    ('description = "x"\n[train]\nlr = 1e-3\n', "a \\[model\\] table with `name`"),
+    ('[model]\nname = "llama-tiny"\nwings = 2\n', r"unknown \[model\] fields \['wings'\]"),
+    ('[model]\nname = "llama-tiny"\n[train]\nstep = 3\n', r"unknown \[train\] fields"),
+    ('[model]\nname = "llama-tiny"\n[train]\ntime_budget = "soon"\n', "expected a duration"),
+    ('[model\nname = 1', "is not valid TOML"),
+])
+def test_bad_recipe_files_are_refused_saying_what_is_wrong(tmp_path, text, message):
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(path)
+
+
+def test_an_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown recipe 'stories-gpu': choose one of .*"
+                                          "stories-cpu"):
+        load_recipe("stories-gpu")

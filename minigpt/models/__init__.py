@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, Callable[..., DecoderLM]] = {
 
 _GPT2 = dict(arch="gpt2", norm_eps=1e-5, dropout=0.0)
 _LLAMA = dict(arch="llama", norm_eps=1e-5, dropout=0.0)
+_STORIES = dict(tokenizer="tinystories-4k", vocab_size=4096)
 
 # The "-tiny" sizes are for tests on CPU: every dimension a preset may split divides by 8.
 CONFIGS: dict[str, ModelConfig] = {
@@ -48,6 +49,13 @@ CONFIGS: dict[str, ModelConfig] = {
                              num_kv_heads=4, mlp_dim=384, num_layers=8),
     "llama-tiny": ModelConfig(**_LLAMA, context_len=128, embed_dim=128, num_heads=16,
                               num_kv_heads=8, mlp_dim=256, num_layers=2),
+    # Sized for a laptop CPU and ten minutes (recipes/stories-cpu.toml), chosen by held-out
+    # bits per byte after a fixed wall-clock budget (bench/bench_stories.py): TinyStories'
+    # 4,096-token vocabulary, so the output layer is a small part of each step.
+    "llama-cpu": ModelConfig(**_LLAMA, **_STORIES, context_len=256, embed_dim=128,
+                             num_heads=4, num_kv_heads=4, mlp_dim=384, num_layers=4),
+    "minigpt-cpu": ModelConfig(arch="minigpt", **_STORIES, dropout=0.0, context_len=256,
+                               embed_dim=128, num_heads=4, mlp_dim=512, num_layers=4),
 }
 
 

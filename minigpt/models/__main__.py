@@ -7,13 +7,13 @@ from minigpt.models import CONFIGS, build_model, count_params
 
 def main() -> None:
     print(f"{'name':<14} {'arch':<8} {'params':>12} {'layers':>6} {'width':>5} {'heads':>7} "
-          f"{'context':>7}")
+          f"{'context':>7}  tokenizer")
     for name, cfg in CONFIGS.items():
         model = nnx.eval_shape(lambda cfg=cfg: build_model(cfg, rngs=nnx.Rngs(0)))
         heads = f"{cfg.num_heads}/{cfg.kv_heads}" if cfg.kv_heads != cfg.num_heads else (
             str(cfg.num_heads))
         print(f"{name:<14} {cfg.arch:<8} {count_params(model, cfg):>12,} {cfg.num_layers:>6} "
-              f"{cfg.embed_dim:>5} {heads:>7} {cfg.context_len:>7}")
+              f"{cfg.embed_dim:>5} {heads:>7} {cfg.context_len:>7}  {cfg.tokenizer}")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 from flax import nnx
+
+from minigpt.config import read_named_toml
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
 
@@ -71,18 +72,8 @@ def available_presets() -> list[str]:
 
 def load_preset(name_or_path: str | Path) -> Preset:
     """Load a preset by name (a file in presets/) or by path to a TOML file, and validate it."""
-    path = Path(name_or_path)
-    if path.suffix != ".toml":
-        path = PRESETS_DIR / f"{name_or_path}.toml"
-    if not path.is_file():
-        raise PresetError(
-            f"unknown preset {str(name_or_path)!r}: choose one of "
-            f"{', '.join(available_presets())} or give the path of a .toml file")
+    path, data = read_named_toml(name_or_path, PRESETS_DIR, "preset", PresetError)
     name = path.stem
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise PresetError(f"preset {name!r} ({path}) is not valid TOML: {e}") from None
 
     def fail(why: str) -> PresetError:
         return PresetError(f"preset {name!r} ({path}): {why}")

@@ -1,0 +1,190 @@
+"""Learning per wall-clock minute: train for a time budget, then score held-out stories.
+
+Each run trains with `python -m minigpt.train ... --time-budget B` (compilation counts against the
+budget) on text disjoint from the scored stories, then is scored on held-out TinyStories stories
+in bits per byte (the same text for every tokenizer, so GPT-2's and TinyStories' vocabularies
+compare fairly) and in nats per token of its own tokenizer, with the tokens it saw and three
+sample stories.
+
+Data, from the shared TinyStories files (MINIGPT_ASSETS, default ../shared/assets):
+- held out: the last 1,000 stories of TinyStories-subset-3k.txt that appear nowhere in the
+  training text (the two train heads are also what the tinystories-4k vocabulary was learnt from);
+- training: TinyStories-train-head.txt, TinyStoriesV2-GPT4-train-head.txt and the rest of the
+  subset (minus any story that is also held out).
+Each held-out story is scored on its own, from its first token (predicted after <|endoftext|>,
+as in training), over its first 256 GPT-2 tokens of text; longer than the model's context, the
+rest is scored with a sliding window.
+
+    python bench/bench_stories.py --budget 10m \\
+        --run "stories-cpu=--recipe stories-cpu" \\
+        --run "minigpt=--model minigpt --batch-size 32"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.report import append_section, table  # noqa: E402
+from minigpt.generate import generate, load_for_generation  # noqa: E402
+from minigpt.pretokenize import StoryFile  # noqa: E402
+from minigpt.tokenizer import load_tokenizer  # noqa: E402
+
+HELD_OUT = 1000
+SCORED_GPT2_TOKENS = 256
+SUBSET = "TinyStories-subset-3k.txt"
+TRAIN_HEADS = ("TinyStories-train-head.txt", "TinyStoriesV2-GPT4-train-head.txt")
+PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "Tom and his dog")
+
+
+def read_stories(path: Path) -> list[str]:
+    return [s for batch, _ in StoryFile(path).batches() for s in batch if s.strip()]
+
+
+def split_stories(assets: Path, work: Path) -> tuple[list[Path], list[str]]:
+    """Write the training text under `work`; return its files and the held-out stories."""
+    heads = [read_stories(assets / name) for name in TRAIN_HEADS]
+    seen = {s.strip() for stories in heads for s in stories}
+    subset = read_stories(assets / SUBSET)
+    held: list[str] = []
+    for story in reversed(subset):
+        if len(held) == HELD_OUT:
+            break
+        if story.strip() not in seen:
+            held.append(story)
+    held.reverse()
+    held_set = {s.strip() for s in held}
+    rest = [s for s in subset[:len(subset) - len(held)] if s.strip() not in held_set]
+    work.mkdir(parents=True, exist_ok=True)
+    train_rest = work / "subset-train.txt"
+    train_rest.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in rest))
+    return [assets / name for name in TRAIN_HEADS] + [train_rest], held
+
+
+def scored_text(stories: list[str]) -> list[str]:
+    """Each story cut to its first SCORED_GPT2_TOKENS GPT-2 tokens (the same text for every
+    tokenizer)."""
+    gpt2 = load_tokenizer("gpt2")
+    return [gpt2.decode(gpt2.encode_ordinary(s.strip())[:SCORED_GPT2_TOKENS]) for s in stories]
+
+
+def windows(row: list[int], context: int) -> list[tuple[list[int], list[int], int]]:
+    """(inputs, targets, first scored position) windows covering every target of `row` once,
+    each target seen with as much preceding context as fits."""
+    targets = len(row) - 1
+    out, done = [], 0
+    while done < targets:
+        end = min(done + context, targets) if done == 0 else min(done + context // 2, targets)
+        start = max(0, end - context)
+        out.append((row[start:end], row[start + 1:end + 1], done - start))
+        done = end
+    return out
+
+
+@nnx.jit
+def _token_nats(model, inputs, targets):
+    logits = model(inputs).astype(jnp.float32)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+
+
+def score(model, tokenizer, texts: list[str], batch: int = 16) -> dict[str, float]:
+    """Summed next-token loss over every token of every text, each text scored on its own."""
+    context = model.config.context_len
+    pieces = []
+    for text in texts:
+        pieces += windows([tokenizer.eot_token] + tokenizer.encode_ordinary(text), context)
+    nats, tokens = 0.0, 0
+    for i in range(0, len(pieces), batch):
+        group = pieces[i:i + batch]
+        inputs = np.full((batch, context), tokenizer.eot_token, np.int32)
+        targets = np.zeros((batch, context), np.int32)
+        mask = np.zeros((batch, context), bool)
+        for r, (x, y, first) in enumerate(group):
+            inputs[r, :len(x)], targets[r, :len(y)] = x, y
+            mask[r, first:len(y)] = True
+        per_token = np.asarray(_token_nats(model, jnp.asarray(inputs), jnp.asarray(targets)))
+        nats += float(per_token[mask].sum())
+        tokens += int(mask.sum())
+    text_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    return {"nats_per_token": nats / tokens, "bits_per_byte": nats / math.log(2) / text_bytes,
+            "tokens": tokens, "bytes": text_bytes}
+
+
+def train(name: str, args: list[str], budget: str, data: list[Path], out: Path) -> float:
+    command = [sys.executable, "-m", "minigpt.train", *args, "--time-budget", budget,
+               "--data", *map(str, data), "--set", f"data_root={out.parent.parent / 'data'}",
+               "--out", str(out), "--no-sample"]
+    print("$", shlex.join(command), flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    start = time.perf_counter()
+    subprocess.run(command, check=True, cwd=REPO, env=env)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--budget", default="10m", help="training time per run (default 10m)")
+    p.add_argument("--run", action="append", required=True, metavar="NAME=TRAIN ARGS",
+                   help="a run: a name and the minigpt.train arguments it trains with")
+    p.add_argument("--work", default="bench-stories", help="where runs and data go")
+    p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    args = p.parse_args()
+    assets = Path(os.environ.get("MINIGPT_ASSETS", REPO.parent / "shared" / "assets"))
+    assets = assets / "tinystories"
+    if not (assets / SUBSET).is_file():
+        sys.exit(f"error: {assets / SUBSET} not found: set MINIGPT_ASSETS to the offline "
+                 f"assets directory")
+    work = Path(args.work).resolve()
+    data, held = split_stories(assets, work / "text")
+    texts = scored_text(held)
+    rows, samples = [], []
+    for spec in args.run:
+        name, _, train_args = spec.partition("=")
+        out = work / "runs" / name
+        wall = train(name, shlex.split(train_args), args.budget, data, out)
+        saved = json.loads((out / "config.json").read_text())
+        model, tokenizer, _, _, step = load_for_generation(out)
+        result = score(model, tokenizer, texts)
+        cfg = saved["train"]
+        seq = cfg["seq_len"] or saved["model"]["context_len"]
+        budget = saved.get("time_budget", {})
+        stories = generate(model, tokenizer, list(PROMPTS), max_new_tokens=160,
+                           temperature=0.8, top_k=50, rng=jax.random.key(0))
+        rows.append([name, f"`{train_args}`", saved["model"]["tokenizer"],
+                     f"{result['bits_per_byte']:.3f}", f"{result['nats_per_token']:.3f}",
+                     step, f"{step * cfg['batch_size'] * seq / 1e6:.2f} M",
+                     f"{budget.get('compile_s', float('nan')):.1f}", f"{wall:.0f}"])
+        samples += [f"**{name}** (step {step}):", ""]
+        samples += [f"> {' '.join(s.split())}" + "\n" for s in stories]
+        print(rows[-1], flush=True)
+    if not args.no_record:
+        append_section(
+            f"learning in a {args.budget} budget: held-out bits per byte",
+            [f"scored: {len(texts)} held-out TinyStories stories (last of {SUBSET}, none in the "
+             f"training text), each from its first token, {SCORED_GPT2_TOKENS} GPT-2 tokens of "
+             f"text at most, {sum(len(t.encode()) for t in texts):,} bytes in all",
+             "training text: the two shared train heads + the rest of the subset; one CPU "
+             "device; the budget includes compilation (wall = the whole command, with data "
+             "preparation, the final evaluation and checkpoint)",
+             "samples: temperature 0.8, top-k 50, key 0, 160 new tokens"],
+            table(["run", "train arguments", "tokenizer", "bits/byte", "nats/token", "steps",
+                   "tokens seen", "compile (s)", "wall (s)"], rows) + ["", *samples])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Recipes, time budgets, the tokenizer a model is trained with, and defaults for short runs."""
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import losses
+
+from minigpt import generate, train
+from minigpt.config import TrainConfig, load_recipe
+from minigpt.models import get_config
+from minigpt.tokenizer import load_tokenizer
+
+
+def configs(*argv):
+    return train.resolve_configs(train.build_parser().parse_args(list(argv)))
+
+
+def test_flags_override_the_recipe_and_set_overrides_flags():
+    recipe = load_recipe("stories-cpu")
+    model, cfg = configs("--recipe", "stories-cpu")
+    assert cfg.model == recipe.model and cfg.recipe == "stories-cpu"
+    assert model == dataclasses.replace(get_config(recipe.model), **recipe.model_fields)
+    for name, value in recipe.train_fields.items():
+        assert getattr(cfg, name) == value
+    assert model.tokenizer == "tinystories-4k" and model.vocab_size == 4096
+    _, cfg = configs("--recipe", "stories-cpu", "--lr", "1e-4", "--batch-size", "8",
+                     "--time-budget", "90s", "--set", "lr=2e-4")
+    assert (cfg.lr, cfg.batch_size, cfg.time_budget) == (2e-4, 8, 90.0)
+    _, cfg = configs("--recipe", "stories-cpu", "--steps", "40")  # steps instead of the budget
+    assert (cfg.steps, cfg.time_budget) == (40, 0.0)
+    model, cfg = configs("--recipe", "stories-cpu", "--model", "llama-tiny")
+    assert model == get_config("llama-tiny") and cfg.model == "llama-tiny"
+
+
+def test_the_tokenizer_flag_gives_the_model_a_matching_vocabulary():
+    model, _ = configs("--model", "minigpt-tiny", "--tokenizer", "tinystories-4k")
+    assert (model.tokenizer, model.vocab_size) == ("tinystories-4k", 4096)
+    model, _ = configs("--model", "minigpt-tiny")
+    assert (model.tokenizer, model.vocab_size) == ("gpt2", 50257)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "5", "--time-budget", "1m"], "give --steps or --time-budget, not both"),
+    (["--time-budget", "soon"], "expected a duration"),
+    (["--recipe", "stories-gpu"], "unknown recipe 'stories-gpu'"),
+    (["--resume", "--recipe", "stories-cpu"], "apply to a new run"),
+    (["--tokenizer", "nope"], "unknown tokenizer 'nope'"),
+])
+def test_bad_recipe_budget_and_tokenizer_flags_are_refused(tmp_path, capsys, argv, message):
+    out = tmp_path / "run"
+    assert train.main(["--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def small_stories(stories_file, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "stories.txt"
+    path.write_bytes(stories_file.read_bytes()[:400_000].rsplit(b"<|endoftext|>", 1)[0])
+    return path
+
+
+def test_a_model_trains_and_tells_stories_with_the_tinystories_tokenizer(small_stories,
+                                                                         tmp_path, capsys):
+    out = tmp_path / "run"
+    code = train.main(["--model", "llama-tiny", "--tokenizer", "tinystories-4k", "--preset",
+                       "dp", "--data", str(small_stories), "--set",
+                       f"data_root={tmp_path / 'data'}", "--steps", "3", "--batch-size", "8",
+                       "--seq-len", "32", "--out", str(out), "--set", "eval_batches=1"])
+    assert code == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model"]["tokenizer"] == "tinystories-4k" and saved["model"]["vocab_size"] == 4096
+    assert saved["tokenizer"] == "tinystories-4k"  # the data's, the same
+    assert [p.name.endswith("-tinystories-4k") for p in (tmp_path / "data").iterdir()] == [True]
+    model, tokenizer, *_ = generate.load_for_generation(out)
+    assert tokenizer is load_tokenizer("tinystories-4k") and model.config.vocab_size == 4096
+    capsys.readouterr()
+    assert generate.main(["--run", str(out), "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("Once upon a time")
+
+
+def test_a_time_budget_fixes_the_steps_and_ends_the_cosine_with_the_time(small_stories,
+                                                                         tmp_path):
+    budget = 30.0
+    cfg = TrainConfig(preset="dp", model="llama-tiny", data=(str(small_stories),),
+                      data_root=str(tmp_path / "data"), out=str(tmp_path / "run"), steps=5,
+                      batch_size=8, seq_len=64, lr=3e-3, time_budget=budget, eval_batches=1,
+                      eval_every=40, save_every=10_000)
+    model = dataclasses.replace(get_config("llama-tiny"), tokenizer="tinystories-4k",
+                                vocab_size=4096)
+    start = time.monotonic()
+    summary = train.train(model, cfg, sample=False)
+    took = time.monotonic() - start
+    saved = json.loads((Path(cfg.out) / "config.json").read_text())
+    record = saved["time_budget"]
+    # The budget, not `steps`, decided the length; the decision is in config.json, with the
+    # budget cleared so that --resume continues to the same step.
+    assert saved["train"]["time_budget"] == 0 and saved["train"]["steps"] == summary["step"]
+    assert record["seconds"] == budget and record["steps"] == summary["step"] > 20
+    assert record["fit1"]["at_step"] >= train._Budget.PROBE and record["compile_s"] > 0
+    # The cosine reached its floor at the last step: the schedule was fitted to the time.
+    metrics = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
+    lrs = [r["lr"] for r in metrics if "lr" in r]
+    assert len(lrs) == summary["step"]
+    assert lrs[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio, rel=0.1)
+    # Training stopped by the deadline (2% tolerance); data, the final eval and save come on top.
+    assert took < budget * 1.02 + 15
+
+
+@pytest.mark.slow  # 40 steps of 64 x 128 tokens through a 50k-token head: about two minutes
+def test_a_40_step_run_with_default_settings_lowers_the_loss_by_more_than_a_nat(data_dir,
+                                                                               tmp_path):
+    cfg = TrainConfig(model="minigpt-tiny", data=(str(data_dir),), out=str(tmp_path / "run"),
+                      steps=40)
+    train.train(get_config("minigpt-tiny"), cfg, sample=False)
+    seen = losses(tmp_path / "run")
+    assert len(seen) == 40 and np.mean(seen[-5:]) < seen[0] - 1.0
+

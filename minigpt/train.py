@@ -166,6 +166,8 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool) -
         # Each process would time its own steps and could settle on another step count.
         raise ConfigError("a time budget is for single-process runs; in a multi-process job "
                           "give --steps")
+    if train_cfg.time_budget:  # the budget decides the step count; until then, open-ended
+        train_cfg = dataclasses.replace(train_cfg, steps=10**9)
     seq_len = train_cfg.seq_len or model_cfg.context_len
     if seq_len > model_cfg.context_len:
         raise ConfigError(f"train.seq_len {seq_len} exceeds the model's context "

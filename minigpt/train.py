@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -359,24 +359,31 @@ class _Budget:
     compiles) is done and a few more have run (at least PROBE steps and 5% of the budget), it
     knows how long compiling took and how long a step takes: it fixes `train.steps` to what
     fits in the time left (periodic evaluations and the recompilation the new schedule needs
-    set aside) and fits the cosine to it. Halfway through the rest it measures the pace again
-    (evaluations and checkpoints included) and, if the run would miss the deadline by more
-    than 2% of the budget, fits once more. Each fit is recorded in config.json with
-    `time_budget` cleared, so a resumed run continues to the same step with the same rates. If
-    the time runs out anyway, the run stops (and saves) there. The final save, evaluation and
-    sample come after the budget.
+    set aside) and fits the cosine to it. The step after that fit tells what the recompilation
+    really cost. Halfway through the rest it measures the pace again (evaluations and
+    checkpoints included); if the run would miss the deadline by more than 2% of the budget
+    *and* by more than a recompilation costs, it fits once more (a smaller miss is cheaper to
+    absorb: the run then ends that much early or late, with its cosine complete). Each fit is
+    recorded in config.json with `time_budget` cleared, so a resumed run continues to the same
+    step with the same rates. If the time runs out anyway, the run stops (and saves) there.
+    The final save, evaluation and sample come after the budget.
     """
 
     PROBE = 8
     PROBE_FRACTION = 0.05
     TOLERANCE = 0.02  # of the budget: a refit (or a stop) only past this
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
         self.seconds = run.train_cfg.time_budget
         self.deadline = run.started + self.seconds
-        self.loop_start = time.monotonic()
+        self.stop_at = self.deadline + self.TOLERANCE * self.seconds  # the hard stop
+        self.loop_start = self.clock()
         self.mark: tuple[int, float] | None = None  # (step, time) the pace is measured from
-        self.compile_s = 0.0
+        self.first_step_s = 0.0  # the first step, with its compilation
+        self.compile_s = 0.0  # the compilation alone
+        self.recompile_s = 0.0  # a fit's, measured on the step after it
+        self.pace = 0.0  # seconds per step at the last fit
         self.check_at = 0  # the step of the next measurement; 0: right after the next step
         self.fits = 0
         self.record: dict[str, Any] = {"seconds": self.seconds}
@@ -388,35 +395,43 @@ class _Budget:
         if run.step < self.check_at:
             return False
         jax.block_until_ready(metrics)
-        now = time.monotonic()
+        now = self.clock()
         if self.mark is None:  # the first step (and the compilation) just finished
-            self.mark, self.compile_s = (run.step, now), now - self.loop_start
+            self.mark, self.first_step_s = (run.step, now), now - self.loop_start
             self.check_at = run.step + self.PROBE
             return False
         if self.fits and run.step == self.mark[0] + 1 and self.check_at == run.step:
-            # the step after a fit, which recompiled: measure the pace from here (once more at
-            # most: every fit costs a compilation)
+            # the step after a fit, which recompiled: what that cost, and the pace from here
+            self.recompile_s = max(0.0, now - self.mark[1] - self.pace)
+            self.record["recompile_s"] = round(self.recompile_s, 2)
+            _write_config(run, time_budget=self.record)
             self.mark = (run.step, now)
-            if self.fits == 2:
-                self.seconds = 0
             self.check_at = run.step + max(1, (run.train_cfg.steps - run.step) // 2)
             return False
         pace = (now - self.mark[1]) / (run.step - self.mark[0])
+        self.pace = pace  # a step alone: what the step after a fit is compared with
         if self.fits == 0:
             if now - self.mark[1] < self.PROBE_FRACTION * self.seconds:
                 self.check_at = run.step + 1
                 return False
-            self.compile_s = max(0.0, self.compile_s - pace)
+            self.compile_s = max(0.0, self.first_step_s - pace)
+            cost = self.compile_s  # the refit's recompilation, as long as the first one
             cfg = run.train_cfg  # a forward pass costs about a third of a training step
             pace *= 1 + cfg.eval_batches / (3 * cfg.eval_every)
         else:
-            miss = now + pace * (run.train_cfg.steps - run.step) - self.deadline
-            if abs(miss) <= self.TOLERANCE * self.seconds:
-                self.seconds = 0  # on time: from here, only the deadline check below
+            self.seconds = 0  # the last measurement: from here, only the hard stop
+            ends = now + pace * (run.train_cfg.steps - run.step)
+            miss, cost = ends - self.deadline, self.recompile_s
+            if abs(miss) <= max(self.TOLERANCE * self.record["seconds"], cost):
+                # on time, or off by less than refitting would cost: keep the schedule
+                self.stop_at = max(self.stop_at, ends + self.TOLERANCE * self.record["seconds"])
+                self.record["ends_late_s" if miss > 0 else "ends_early_s"] = round(abs(miss), 2)
+                _write_config(run, time_budget=self.record)
                 return False
-        left = self.deadline - now - self.compile_s
-        total = max(run.step, run.step + int(left / pace))
-        self._fit(run, total, pace, recorder)
+        left = self.deadline - now - cost
+        if left < pace:  # no time to recompile for even one more step: the hard stop decides
+            return False
+        self._fit(run, run.step + int(left / pace), pace, recorder)
         return True
 
     def _fit(self, run: Run, total: int, pace: float, recorder: _Recorder) -> None:
@@ -428,19 +443,21 @@ class _Budget:
                                                   "s_per_step": round(pace, 4)}})
         _write_config(run, time_budget=self.record)
         recorder.set_total(total)
-        self.mark, self.check_at = (run.step, time.monotonic()), run.step + 1
+        self.mark, self.check_at = (run.step, self.clock()), run.step + 1
         log(f"time budget {self.record['seconds']:g} s: compiling took {self.compile_s:.1f} s "
             f"and a step takes {pace:.3f} s, so the run trains {total} steps (schedule fitted "
             f"at step {run.step})")
 
     def out_of_time(self, run: Run) -> bool:
-        """Past the deadline (and its tolerance) with steps still to go: stop at this step."""
-        budget = self.record["seconds"]
-        if not budget or time.monotonic() < self.deadline + self.TOLERANCE * budget:
+        """Past the hard stop with steps still to go: stop at this step."""
+        if not self.record["seconds"] or self.clock() < self.stop_at:
             return False
         if run.step < run.train_cfg.steps:
             log(f"the time budget ran out at step {run.step} of {run.train_cfg.steps} (steps "
-                f"were slower than measured); stopping here")
+                f"were slower than measured); stopping here" if self.fits else
+                f"the time budget ran out at step {run.step}, before the steps could be timed "
+                f"(the first step, compilation included, took {self.first_step_s:.1f} s); "
+                f"stopping here: give a longer --time-budget")
             run.train_cfg = dataclasses.replace(run.train_cfg, steps=run.step, time_budget=0.0)
             self.record["steps"] = run.step
             _write_config(run, time_budget=self.record)

@@ -38,8 +38,9 @@ def test_auto_means_cpu_kernels_on_a_cpu_and_names_are_checked():
 
 # Sequence 128 = 2 attention blocks, so the blocked attention (not its fallback) is compared;
 # 3 x 7 has a chunk length that divides nothing evenly in the fused loss.
-@pytest.mark.parametrize("name, batch, seq", [("minigpt-tiny", 4, 128), ("gpt2-tiny", 4, 128),
-                                              ("llama-tiny", 4, 128), ("minigpt-tiny", 3, 7)])
+@pytest.mark.parametrize("name, batch, seq", [
+    ("minigpt-tiny", 4, 128), pytest.param("gpt2-tiny", 4, 128, marks=pytest.mark.slow),
+    pytest.param("llama-tiny", 4, 128, marks=pytest.mark.slow), ("minigpt-tiny", 3, 7)])
 def test_cpu_kernels_give_the_reference_loss_and_every_gradient(name, batch, seq):
     cfg = dataclasses.replace(get_config(name), dropout=0.0)
     data = random_batch(cfg.vocab_size, batch, seq, seed=5)

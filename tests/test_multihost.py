@@ -85,10 +85,10 @@ def reference(data_dir, tmp_path_factory, preset: str) -> list[float]:
     return _references[preset]
 
 
-# fsdp runs in the default suite; the rest of this module is marked slow. Under dp_pp the two
-# pipeline stages are the two processes: activations cross between processes.
-@pytest.mark.parametrize("preset", ["fsdp", pytest.param("dp_tp", marks=pytest.mark.slow),
-                                    pytest.param("dp_pp", marks=pytest.mark.slow)])
+# Real multi-process jobs are part of the slower set (`python -m pytest -m slow`). Under dp_pp
+# the two pipeline stages are the two processes: activations cross between processes.
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["fsdp", "dp_tp", "dp_pp"])
 def test_two_processes_train_like_one(data_dir, tmp_path, tmp_path_factory, preset):
     out = launch(config(data_dir, tmp_path / "run", preset), tmp_path)
     assert "mesh {" in out and "checkpoint:" in out

@@ -51,15 +51,14 @@ def reference(model_name: str):
 
 def zoo_cases():
     """Every model under every preset but the pipeline ones (tests/test_pipeline.py, with
-    models deep enough for their stages). The default run checks minigpt-tiny under all of them
-    and the other architectures under `fsdp_tp`, which splits every kind of axis a preset can
-    (batch and embed over fsdp; heads, kv_heads, mlp and vocab over model); `-m slow` runs the
-    rest."""
+    models deep enough for their stages). The default run checks minigpt-tiny under `fsdp` (the
+    default preset) and `fsdp_tp`, which splits every kind of axis a preset can (batch and embed
+    over fsdp; heads, kv_heads, mlp and vocab over model); `-m slow` runs every other pair."""
     for model_name in ZOO:
         for name in sharding.available_presets():
             if sharding.load_preset(name).mesh_axes_of("layers"):
                 continue
-            slow = model_name != "minigpt-tiny" and name != "fsdp_tp"
+            slow = model_name != "minigpt-tiny" or name not in ("fsdp", "fsdp_tp")
             yield pytest.param(model_name, name, marks=[pytest.mark.slow] if slow else [])
 
 
@@ -143,6 +142,7 @@ def test_eval_step_is_deterministic_and_matches_the_loss():
     assert a == pytest.approx(np.log(TINY.vocab_size), rel=0.05)
 
 
+@pytest.mark.slow
 def test_rematerialisation_changes_memory_not_numbers():
     batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
     results = []
@@ -155,6 +155,7 @@ def test_rematerialisation_changes_memory_not_numbers():
         np.testing.assert_allclose(results[1][1][key], value, rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_parameters_and_close_loss():
     batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
     losses = {}

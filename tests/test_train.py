@@ -81,6 +81,7 @@ def test_resume_continues_exactly(config, tmp_path):
     assert losses(tmp_path / "halves") == straight  # bitwise: same preset, same machine
 
 
+@pytest.mark.slow  # tests/test_checkpoint.py restores a checkpoint into another preset's layout
 def test_resume_under_another_preset(config, tmp_path):
     train.train(MODEL, config, sample=False)
     straight = losses(tmp_path / "run")
@@ -176,8 +177,9 @@ def test_cli_reports_user_errors_in_one_line(data_dir, tmp_path, capsys, args, m
 
 
 @pytest.mark.parametrize("name, scan", [
-    pytest.param("gpt2-tiny", False, marks=pytest.mark.slow),  # the parity tests cover its math
-    ("llama-tiny", True),
+    # tests/test_recipes.py trains llama-tiny and generates from it in the default run
+    pytest.param("gpt2-tiny", False, marks=pytest.mark.slow),
+    pytest.param("llama-tiny", True, marks=pytest.mark.slow),
 ])
 def test_every_architecture_trains_resumes_and_tells_stories(config, tmp_path, name, scan):
     model = dataclasses.replace(get_config(name), scan_layers=scan)

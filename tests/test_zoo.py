@@ -87,7 +87,7 @@ def test_cached_greedy_decode_equals_full_recompute(name):
         assert tokens == generate_recompute(model, prompt, max_new_tokens=12)[0]
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2-tiny", marks=pytest.mark.slow), "llama-tiny"])
 def test_scanned_and_unrolled_layers_share_parameters_and_compute_the_same(name):
     cfg = dataclasses.replace(get_config(name), dropout=0.1)
     unrolled = build_model(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))

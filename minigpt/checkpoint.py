@@ -16,7 +16,10 @@ moves one out of the way of new saves without deleting anything).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,41 @@ TEMPORARY_MARK = ".orbax-checkpoint-tmp-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing or cannot be read; the message says what to do."""
+
+
+def _closed_loop_noise(unraisable) -> bool:
+    """Whether an unraisable exception is TensorStore finishing a read for a restore that has
+    already failed: Orbax closes its event loop on the first unreadable array, and each read
+    still in flight then reports "Event loop is closed" as it completes."""
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def _quiet_failed_restores() -> None:
+    """Drop the "Event loop is closed" noise of a failed restore (one traceback per array still
+    being read) from stderr; every other unraisable exception goes where it went before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "minigpt_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _closed_loop_noise(unraisable):
+            previous(unraisable)
+
+    hook.minigpt_quiet = True
+    sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _absl_errors_only():
+    """Orbax says at warning level that a read-only manager is read-only; generation need not."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _restore_target(obj: Any):
@@ -126,9 +164,11 @@ class Checkpointer:
         # Temporary directories left by interrupted saves; a writing manager removes them.
         self.leftovers = sorted(p.name for p in self.directory.glob(f"*{TEMPORARY_MARK}*"))
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only,
-            cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+            max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+            create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=async_save)
+        with _absl_errors_only() if read_only else contextlib.nullcontext():
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -192,6 +232,7 @@ class Checkpointer:
             rng = jax.random.wrap_key_data(np.asarray(restored["meta"]["rng"], dtype=np.uint32))
             result = {"step": int(restored["meta"]["step"]), "rng": rng}
         except Exception as error:  # Orbax and TensorStore raise many kinds for unreadable files
+            _quiet_failed_restores()
             raise CheckpointError(_gist(error)) from error
         # Only a checkpoint that was read whole reaches the model.
         for name, obj in objects.items():

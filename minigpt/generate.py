@@ -296,6 +296,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.devices:
         set_simulated_devices(args.devices)
+    with warnings.catch_warnings():
+        warnings.showwarning = _print_warning
+        return _tell(args)
+
+
+def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning on the command line: one line on stderr, not the source line behind it."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _tell(args: argparse.Namespace) -> int:
     try:
         model, tokenizer, preset, mesh, step = load_for_generation(args.run, args.preset)
         prompts = [args.prompt] * args.num_samples

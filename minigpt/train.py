@@ -543,7 +543,7 @@ class _Recorder:
 def _progress_interval() -> float:
     """Seconds between progress bar updates: often on a terminal, rarely where each update is
     kept (a notebook's saved output, a log file)."""
-    return 0.5 if sys.stderr.isatty() else 10.0
+    return 0.5 if sys.stderr.isatty() else 30.0
 
 
 class _Profiler:

@@ -376,6 +376,7 @@ class _Budget:
     def __init__(self, run: Run, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.seconds = run.train_cfg.time_budget
+        self.measuring = bool(self.seconds)  # False once the last decision is taken
         self.deadline = run.started + self.seconds
         self.stop_at = self.deadline + self.TOLERANCE * self.seconds  # the hard stop
         self.loop_start = self.clock()
@@ -383,16 +384,15 @@ class _Budget:
         self.first_step_s = 0.0  # the first step, with its compilation
         self.compile_s = 0.0  # the compilation alone
         self.recompile_s = 0.0  # a fit's, measured on the step after it
-        self.pace = 0.0  # seconds per step at the last fit
+        self.pace = 0.0  # seconds per step, as last measured
         self.check_at = 0  # the step of the next measurement; 0: right after the next step
         self.fits = 0
+        self.recompiling = False  # the next step is the first with a new schedule
         self.record: dict[str, Any] = {"seconds": self.seconds}
 
     def check(self, run: Run, metrics, recorder: _Recorder) -> bool:
         """Called after each step is dispatched; True when the schedule was just (re)fitted."""
-        if not self.seconds:
-            return False
-        if run.step < self.check_at:
+        if not self.measuring or run.step < self.check_at:
             return False
         jax.block_until_ready(metrics)
         now = self.clock()
@@ -400,8 +400,8 @@ class _Budget:
             self.mark, self.first_step_s = (run.step, now), now - self.loop_start
             self.check_at = run.step + self.PROBE
             return False
-        if self.fits and run.step == self.mark[0] + 1 and self.check_at == run.step:
-            # the step after a fit, which recompiled: what that cost, and the pace from here
+        if self.recompiling:  # the step after a fit: what recompiling cost, and the pace from here
+            self.recompiling = False
             self.recompile_s = max(0.0, now - self.mark[1] - self.pace)
             self.record["recompile_s"] = round(self.recompile_s, 2)
             _write_config(run, time_budget=self.record)
@@ -419,12 +419,12 @@ class _Budget:
             cfg = run.train_cfg  # a forward pass costs about a third of a training step
             pace *= 1 + cfg.eval_batches / (3 * cfg.eval_every)
         else:
-            self.seconds = 0  # the last measurement: from here, only the hard stop
+            self.measuring = False  # the last measurement: from here, only the hard stop
             ends = now + pace * (run.train_cfg.steps - run.step)
             miss, cost = ends - self.deadline, self.recompile_s
-            if abs(miss) <= max(self.TOLERANCE * self.record["seconds"], cost):
+            if abs(miss) <= max(self.TOLERANCE * self.seconds, cost):
                 # on time, or off by less than refitting would cost: keep the schedule
-                self.stop_at = max(self.stop_at, ends + self.TOLERANCE * self.record["seconds"])
+                self.stop_at = max(self.stop_at, ends + self.TOLERANCE * self.seconds)
                 self.record["ends_late_s" if miss > 0 else "ends_early_s"] = round(abs(miss), 2)
                 _write_config(run, time_budget=self.record)
                 return False
@@ -444,13 +444,14 @@ class _Budget:
         _write_config(run, time_budget=self.record)
         recorder.set_total(total)
         self.mark, self.check_at = (run.step, self.clock()), run.step + 1
-        log(f"time budget {self.record['seconds']:g} s: compiling took {self.compile_s:.1f} s "
+        self.recompiling = True
+        log(f"time budget {self.seconds:g} s: compiling took {self.compile_s:.1f} s "
             f"and a step takes {pace:.3f} s, so the run trains {total} steps (schedule fitted "
             f"at step {run.step})")
 
     def out_of_time(self, run: Run) -> bool:
         """Past the hard stop with steps still to go: stop at this step."""
-        if not self.record["seconds"] or self.clock() < self.stop_at:
+        if not self.seconds or self.clock() < self.stop_at:
             return False
         if run.step < run.train_cfg.steps:
             log(f"the time budget ran out at step {run.step} of {run.train_cfg.steps} (steps "

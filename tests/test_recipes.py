@@ -195,6 +195,17 @@ def test_a_run_that_cannot_pay_for_a_refit_stops_at_the_deadline(monkeypatch):
     assert job.records[-1]["steps"] == job.run.step
 
 
+def test_a_fit_that_leaves_few_steps_measures_its_recompilation_once(monkeypatch):
+    job = _BudgetedRun(monkeypatch, seconds=26.6)
+    job.step(10.5)
+    job.until(8, 0.5)
+    assert job.step(0.5) == (True, False)  # step 9: 26.6 - 14.5 - 10 s left: 4 more steps
+    assert job.run.train_cfg.steps == 13
+    job.step(12.0 + 0.5)  # step 10 recompiles; the halfway check falls on the very next step
+    job.step(0.5)
+    assert job.records[-1]["recompile_s"] == 12.0 and "ends_late_s" in job.records[-1]
+
+
 def test_a_budget_shorter_than_compiling_stops_after_the_first_step(monkeypatch, capsys):
     job = _BudgetedRun(monkeypatch, seconds=10.0)
     assert job.step(10.5) == (False, True)

@@ -49,7 +49,10 @@ def _closed_loop_noise(unraisable) -> bool:
 
 def _quiet_failed_restores() -> None:
     """Drop the "Event loop is closed" noise of a failed restore (one traceback per array still
-    being read) from stderr; every other unraisable exception goes where it went before."""
+    being read) from stderr; every other unraisable exception goes where it went before.
+
+    Installed before a restore starts, not after it fails: the reads still in flight report from
+    TensorStore's threads as soon as Orbax gives up, which can be before the failure reaches us."""
     previous = sys.unraisablehook
     if getattr(previous, "minigpt_quiet", False):
         return
@@ -201,6 +204,7 @@ class Checkpointer:
         steps = [step] if step is not None else self.all_steps()[::-1]
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
+        _quiet_failed_restores()
         skipped = []
         for candidate in steps:
             try:
@@ -232,7 +236,6 @@ class Checkpointer:
             rng = jax.random.wrap_key_data(np.asarray(restored["meta"]["rng"], dtype=np.uint32))
             result = {"step": int(restored["meta"]["step"]), "rng": rng}
         except Exception as error:  # Orbax and TensorStore raise many kinds for unreadable files
-            _quiet_failed_restores()
             raise CheckpointError(_gist(error)) from error
         # Only a checkpoint that was read whole reaches the model.
         for name, obj in objects.items():

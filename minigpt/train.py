@@ -365,13 +365,16 @@ class _Budget:
     *and* by more than a recompilation costs, it fits once more (a smaller miss is cheaper to
     absorb: the run then ends that much early or late, with its cosine complete). Each fit is
     recorded in config.json with `time_budget` cleared, so a resumed run continues to the same
-    step with the same rates. If the time runs out anyway, the run stops (and saves) there.
+    step with the same rates. If the time runs out anyway, the run stops (and saves) there; after
+    the last measurement the hard stop leaves room for the rest of the run to be up to a quarter
+    slower than measured (a machine whose load changes), so a nearly finished cosine is not cut.
     The final save, evaluation and sample come after the budget.
     """
 
     PROBE = 8
     PROBE_FRACTION = 0.05
     TOLERANCE = 0.02  # of the budget: a refit (or a stop) only past this
+    DRIFT = 0.25  # how much slower than measured the rest of a run may get before it is cut
 
     def __init__(self, run: Run, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -424,15 +427,23 @@ class _Budget:
             miss, cost = ends - self.deadline, self.recompile_s
             if abs(miss) <= max(self.TOLERANCE * self.seconds, cost):
                 # on time, or off by less than refitting would cost: keep the schedule
-                self.stop_at = max(self.stop_at, ends + self.TOLERANCE * self.seconds)
+                self._allow_drift(now, ends)
                 self.record["ends_late_s" if miss > 0 else "ends_early_s"] = round(abs(miss), 2)
                 _write_config(run, time_budget=self.record)
                 return False
         left = self.deadline - now - cost
         if left < pace:  # no time to recompile for even one more step: the hard stop decides
             return False
+        if self.fits:  # the refit ends at the deadline
+            self._allow_drift(now, self.deadline)
         self._fit(run, run.step + int(left / pace), pace, recorder)
         return True
+
+    def _allow_drift(self, now: float, ends: float) -> None:
+        """Move the hard stop past a run expected to end at `ends`, by the tolerance and by a
+        quarter of the time still to go."""
+        slack = self.TOLERANCE * self.seconds + self.DRIFT * max(0.0, ends - now)
+        self.stop_at = max(self.stop_at, ends + slack)
 
     def _fit(self, run: Run, total: int, pace: float, recorder: _Recorder) -> None:
         self.fits += 1

@@ -168,6 +168,22 @@ def test_a_run_late_by_less_than_a_recompilation_keeps_its_schedule_and_ends_lat
     assert job.now == pytest.approx(107.2)
 
 
+@pytest.mark.parametrize("rest_s, ends_at", [(0.65, 156), (0.75, 153)])
+def test_steps_slower_after_the_last_measurement_finish_unless_a_quarter_slower(
+        monkeypatch, rest_s, ends_at):
+    job = _BudgetedRun(monkeypatch)
+    _first_fit(job)
+    job.step(12.0 + 0.5)
+    job.until(84, 0.55)  # 67.6 s: expected to end at 107.2 s (kept, as above)
+    # The hard stop: 107.2 + 2 (2% of the budget) + a quarter of the 39.6 s to go = 119.1 s.
+    # 72 steps of 0.65 s end at 114.4 s, inside it; 0.75 s steps reach it at step 153.
+    stopped = False
+    while not stopped and job.run.step < 156:
+        _, stopped = job.step(rest_s)
+    assert job.run.step == job.run.train_cfg.steps == ends_at
+    assert stopped == (ends_at < 156) and job.now <= 119.1 + rest_s
+
+
 def test_a_run_late_by_more_than_a_recompilation_is_refitted_to_the_deadline(monkeypatch):
     job = _BudgetedRun(monkeypatch)
     _first_fit(job)

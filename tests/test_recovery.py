@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -112,6 +113,36 @@ def test_generation_skips_a_garbled_latest_checkpoint_and_touches_nothing(config
         garble(checkpoints / name)
     with pytest.raises(CheckpointError, match="no checkpoint in .* can be read .*step 6.*step 2"):
         generate.load_for_generation(config.out)
+
+
+class _AbandonedRead:
+    """Stands for a TensorStore read that completes after Orbax has closed its event loop."""
+
+    def __del__(self):
+        raise RuntimeError("Event loop is closed")
+
+
+def test_reads_that_report_before_the_failure_reaches_us_stay_quiet(config, monkeypatch):
+    """TensorStore's threads can report an abandoned read before Orbax's error reaches the
+    checkpointer: the filter must already be in place when the restore starts."""
+    train.train(MODEL, dataclasses.replace(config, steps=2), sample=False)
+    checkpointer = Checkpointer(Path(config.out) / "checkpoints", read_only=True)
+
+    class _Unrelated:
+        def __del__(self):
+            raise RuntimeError("something else")
+
+    def failing_restore(*args, **kwargs):
+        _AbandonedRead()  # reported at once, while the restore is still failing
+        _Unrelated()
+        raise ValueError("unreadable")
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)  # no filter installed yet
+    monkeypatch.setattr(checkpointer._manager, "restore", failing_restore)
+    with pytest.raises(CheckpointError, match="ValueError: unreadable"):
+        checkpointer.restore(build_model(MODEL, rngs=nnx.Rngs(0)))
+    assert [str(u.exc_value) for u in reported] == ["something else"]  # only the noise dropped
 
 
 def test_a_save_interrupted_mid_write_is_never_restored(config, straight, capsys):

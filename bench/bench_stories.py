@@ -125,7 +125,7 @@ def score(model, tokenizer, texts: list[str], batch: int = 16) -> dict[str, floa
             "tokens": tokens, "bytes": text_bytes}
 
 
-def train(name: str, args: list[str], budget: str, data: list[Path], out: Path) -> float:
+def train(args: list[str], budget: str, data: list[Path], out: Path) -> float:
     command = [sys.executable, "-m", "minigpt.train", *args, "--time-budget", budget,
                "--data", *map(str, data), "--set", f"data_root={out.parent.parent / 'data'}",
                "--out", str(out), "--no-sample"]
@@ -152,14 +152,15 @@ def main() -> None:
     work = Path(args.work).resolve()
     data, held = split_stories(assets, work / "text")
     texts = scored_text(held)
-    rows, samples = [], []
+    rows, samples, scored_bytes = [], [], 0
     for spec in args.run:
         name, _, train_args = spec.partition("=")
         out = work / "runs" / name
-        wall = train(name, shlex.split(train_args), args.budget, data, out)
+        wall = train(shlex.split(train_args), args.budget, data, out)
         saved = json.loads((out / "config.json").read_text())
         model, tokenizer, _, _, step = load_for_generation(out)
         result = score(model, tokenizer, texts)
+        scored_bytes = result["bytes"]
         cfg = saved["train"]
         seq = cfg["seq_len"] or saved["model"]["context_len"]
         budget = saved.get("time_budget", {})
@@ -177,7 +178,7 @@ def main() -> None:
             f"learning in a {args.budget} budget: held-out bits per byte",
             [f"scored: {len(texts)} held-out TinyStories stories (last of {SUBSET}, none in the "
              f"training text), each from its first token, {SCORED_GPT2_TOKENS} GPT-2 tokens of "
-             f"text at most, {sum(len(t.encode()) for t in texts):,} bytes in all",
+             f"text at most, {scored_bytes:,} bytes in all",
              "training text: the two shared train heads + the rest of the subset; one CPU "
              "device; the budget includes compilation (wall = the whole command, with data "
              "preparation, the final evaluation and checkpoint)",

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.report import append_section, table  # noqa: E402
 from minigpt.generate import generate, load_for_generation  # noqa: E402
-from minigpt.pretokenize import StoryFile  # noqa: E402
+from minigpt.stories import StoryFile  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
 HELD_OUT = 1000

@@ -38,7 +38,7 @@ def worker(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from minigpt import sharding, steps
+    from minigpt import schedule, sharding, steps
     from minigpt.config import TrainConfig
     from minigpt.metrics import flops_per_token, measure_matmul_peak
     from minigpt.models import build_model, get_config
@@ -61,18 +61,19 @@ def worker(spec: dict) -> dict:
     rows += sharding.describe(preset, mesh, nnx.state(optimizer))
     state_bytes = sum(r["bytes_per_device"] for r in rows)
     rng = jax.random.key(0)
-    pipe = {"pipeline_microbatches": spec.get("pipeline_microbatches", 0)}
-    with sharding.use_preset(preset, mesh):
+    rates = schedule.lr_schedule(train_cfg)
+    pipe = sharding.Pipeline(microbatches=spec.get("pipeline_microbatches", 0))
+    with sharding.use_preset(preset, mesh, pipe):
         batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
         start = time.perf_counter()
-        compiled = steps.train_step.lower(model, optimizer, batch, rng, **pipe).compile()
+        compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
         compile_s = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, **pipe))
+        jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, rates))
         times = []
         for _ in range(spec["repeats"]):
             start = time.perf_counter()
-            jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, **pipe))
+            jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, rates))
             times.append(time.perf_counter() - start)
     peak = max(peak, measure_matmul_peak(repeats=10))
     step_s = min(times)
@@ -218,7 +219,8 @@ def main() -> None:
 def pipeline_section(base: dict) -> None:
     """Pipeline presets beside dp at the same batch: step time, compile time, memory."""
     from bench.report import append_section, table
-    from minigpt.pipeline import bubble_fraction, default_microbatches
+    from minigpt.pipeline import bubble_fraction
+    from minigpt.sharding import default_microbatches
 
     stages = {"pp": 8, "dp_pp": 2, "fsdp_pp": 2, "pp_tp": 4}
     specs = [{**base, "label": "dp", "preset": "dp", "devices": 8}]

@@ -119,6 +119,11 @@ class TrainConfig:
     # reach their peak rate too.
     warmup_steps: int = -1
     decay_steps: int = 0  # step at which the cosine reaches its floor; 0: at `steps`
+    # Where the cosine starts (-1: where the warm-up ends; later holds the peak until then, a
+    # warm-up-stable-decay schedule) and the rate it starts from (0: the peak). A resumed run
+    # whose step count changed records here the decay it continues with (see the README).
+    decay_start: int = -1
+    decay_start_lr: float = 0.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -156,6 +161,9 @@ class TrainConfig:
                               f"got {self.pipeline_microbatches}")
         if self.decay_steps < 0:
             raise ConfigError(f"train.decay_steps must be >= 0, got {self.decay_steps}")
+        if self.decay_start < -1 or self.decay_start_lr < 0:
+            raise ConfigError("train.decay_start must be >= 0 (or -1: where the warm-up ends) "
+                              "and train.decay_start_lr >= 0 (0: the peak rate)")
         if self.seq_len < 0:
             raise ConfigError(f"train.seq_len must be >= 0, got {self.seq_len}")
         if self.profile_steps:
@@ -213,9 +221,9 @@ def _parse_value(text: str, annotation: Any, key: str) -> Any:
             f"--set {key}: expected {annotation.__name__}, got {text!r}") from None
 
 
-def apply_overrides(model: ModelConfig, train: TrainConfig,
-                    overrides: list[str]) -> tuple[ModelConfig, TrainConfig]:
-    """Apply `key=value` strings; a key is `field`, `model.field` or `train.field`."""
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """`key=value` strings (a key is `field`, `model.field` or `train.field`) as the changes they
+    make: {"model": {field: value}, "train": {field: value}}, values of the declared types."""
     changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
     hints = {"model": typing.get_type_hints(ModelConfig),
              "train": typing.get_type_hints(TrainConfig)}
@@ -232,6 +240,13 @@ def apply_overrides(model: ModelConfig, train: TrainConfig,
         if len(scopes) > 1:
             raise ConfigError(f"--set: {name!r} is ambiguous; write model.{name} or train.{name}")
         changes[scopes[0]][name] = _parse_value(value, hints[scopes[0]][name], key)
+    return changes
+
+
+def apply_overrides(model: ModelConfig, train: TrainConfig,
+                    overrides: list[str]) -> tuple[ModelConfig, TrainConfig]:
+    """Apply `key=value` strings; a key is `field`, `model.field` or `train.field`."""
+    changes = parse_overrides(overrides)
     return (dataclasses.replace(model, **changes["model"]),
             dataclasses.replace(train, **changes["train"]))
 

@@ -3,7 +3,7 @@
 `resolve_data("tinystories")` downloads (`minigpt.download`) and tokenizes (`minigpt.pretokenize`)
 the dataset on first use and returns its directory; local text files are prepared the same way; a
 directory already holding meta.json is used as it is. The format of what lands on disk is
-`minigpt.tokens`; reading it in batches is `minigpt.loader`.
+`minigpt.token_files`; reading it in batches is `minigpt.loader`.
 
     python -m minigpt.data prepare --dataset tinystories [--version v1|v2] [--out data/]
     python -m minigpt.data prepare --text FILE... [--val-fraction 0.1] [--out data/]
@@ -18,19 +18,18 @@ import hashlib
 import os
 import sys
 from collections.abc import Sequence
-from importlib.metadata import version
 from pathlib import Path
 
 from minigpt import download, pretokenize
+from minigpt.files import sha256
+from minigpt.token_files import DataError, load_meta
 from minigpt.tokenizer import (
     DEFAULT_TOKENIZER,
     TokenizerError,
     load_tokenizer,
     ranks_file,
-    train_ranks,
-    write_ranks,
+    train_tokenizer,
 )
-from minigpt.tokens import DataError, load_meta, token_file_problem
 
 DATASETS = {"tinystories": "v1", "tinystories-v1": "v1", "tinystories-v2": "v2"}
 
@@ -53,9 +52,11 @@ def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
     revision = revision or download.TINYSTORIES_REVISION
     text_dir = Path(root) / ("tinystories" if version == "v1" else f"tinystories-{version}")
     out = text_dir.with_name(text_dir.name + _tokenizer_suffix(tokenizer))
-    if _still_prepared(out, text_dir, revision, tokenizer):
-        return out
     files = download.TINYSTORIES_FILES[version]
+    sources = [(text_dir / files["train"], "train"), (text_dir / files["val"], "val")]
+    expected = {"dataset.revision": revision, "tokenizer": tokenizer}
+    if pretokenize.is_current(out, expected, sources, allow_deleted=True):
+        return out
     urls = {split: download.hf_url(name, revision=revision, base_url=base_url)
             for split, name in files.items()}
     for split, name in files.items():
@@ -71,26 +72,6 @@ def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
     return out
 
 
-def _still_prepared(out: Path, text_dir: Path, revision: str, tokenizer: str) -> bool:
-    """Token files of this revision are complete and no source changed since (deleted is fine:
-    a user may remove the 2 GB text once tokenized)."""
-    try:
-        meta = load_meta(out)
-    except DataError:
-        return False
-    if (meta.get("dataset") or {}).get("revision") != revision or \
-            meta.get("tokenizer") != tokenizer:
-        return False
-    if token_file_problem(out, meta):
-        return False
-    for source in meta["sources"]:
-        path = text_dir / source["file"]
-        if path.exists() and (path.stat().st_size, path.stat().st_mtime_ns) != (
-                source["bytes"], source["mtime_ns"]):
-            return False
-    return True
-
-
 def prepare_text(files: Sequence[str | Path], root: str | Path = "data", *,
                  val_fraction: float | None = None, tokenizer: str = DEFAULT_TOKENIZER,
                  progress: bool = True) -> Path:
@@ -98,8 +79,7 @@ def prepare_text(files: Sequence[str | Path], root: str | Path = "data", *,
     paths = _text_files(files)
     combined = hashlib.sha256()
     for path in paths:
-        with open(path, "rb") as f:
-            combined.update(hashlib.file_digest(f, "sha256").digest())
+        combined.update(bytes.fromhex(sha256(path)))
     out = Path(root) / f"text-{combined.hexdigest()[:12]}{_tokenizer_suffix(tokenizer)}"
     pretokenize.prepare(out, paths, progress=progress, tokenizer=tokenizer,
                         val_fraction=(pretokenize.DEFAULT_VAL_FRACTION if val_fraction is None
@@ -141,31 +121,6 @@ def resolve_data(data: str | Sequence[str], root: str | Path = "data",
                             f"--tokenizer {used})")
         return Path(items[0])
     return prepare_text(items, root, tokenizer=tokenizer or DEFAULT_TOKENIZER)
-
-
-def train_tokenizer(files: Sequence[str | Path], vocab_size: int, out: str | Path) -> dict:
-    """Train a BPE vocabulary on the stories of `files`; write `out` (.tiktoken) and its
-    provenance JSON beside it; return the provenance."""
-    paths = _text_files(files)
-
-    def stories():
-        for path in paths:
-            for batch, _ in pretokenize.StoryFile(path).batches():
-                yield from batch
-
-    ranks = train_ranks(stories(), vocab_size)
-    sources = []
-    for path in paths:
-        with open(path, "rb") as f:
-            sources.append({"file": path.name, "bytes": path.stat().st_size,
-                            "sha256": hashlib.file_digest(f, "sha256").hexdigest()})
-    provenance = {"vocab_size": len(ranks) + 1, "special_tokens": {"<|endoftext|>": len(ranks)},
-                  "trained_on": sources, "trainer": f"rustbpe {version('rustbpe')}",
-                  "pattern": "GPT-2's (minigpt.tokenizer.PATTERN)",
-                  "command": "python -m minigpt.data tokenizer --vocab-size "
-                             f"{vocab_size} --text {' '.join(p.name for p in paths)}"}
-    write_ranks(ranks, out, provenance)
-    return provenance
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,13 +20,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from minigpt.tokens import DataError
+from minigpt import files
+from minigpt.token_files import DataError
 
 HF_BASE = "https://huggingface.co"
 HF_REPO = "roneneldan/TinyStories"
 # The head of the dataset's main branch, after "Fix encoding problem"; the revision that public
-# projects pin when they record the sizes and sha256 below. This machine cannot reach the Hub,
-# so the hash was taken from those records, not looked up here.
+# projects pin when they record the sizes and sha256 below; the hash was taken from those
+# records.
 TINYSTORIES_REVISION = "f54c09fd23315a6f9c86f9dc80f725de7d8f9c64"
 
 TINYSTORIES_FILES = {
@@ -68,14 +69,6 @@ def expected_file(filename: str, revision: str) -> tuple[int | None, str | None]
     return None, None
 
 
-def sha256_file(path: Path, hasher=None) -> str:
-    hasher = hasher or hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            hasher.update(chunk)
-    return hasher.hexdigest()
-
-
 def _open(url: str, start: int, timeout: float) -> http.client.HTTPResponse:
     request = urllib.request.Request(url, headers={"User-Agent": "minigpt"})
     if start:
@@ -103,7 +96,7 @@ class _Part:
             self.restart()
         self.hasher = hashlib.sha256()
         if self.have:
-            sha256_file(path, self.hasher)
+            files.sha256(path, self.hasher)
 
     def restart(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -205,7 +198,7 @@ def _verify_existing(dest: Path, size: int | None, sha256: str | None) -> str:
     if size is not None and actual != size:
         raise DataError(f"{dest} has {actual:,} bytes, but the pinned file has {size:,}: "
                         f"delete it and run again to download it afresh")
-    digest = sha256_file(dest)
+    digest = files.sha256(dest)
     if sha256 is not None and digest != sha256:
         raise DataError(f"{dest} has sha256 {digest}, but the pinned file has {sha256}: "
                         f"delete it and run again to download it afresh")

@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="simulate this many CPU devices (default: the devices present)")
     parser.add_argument("--microbatches", type=int, default=0,
                         help="pipeline microbatches M, for the bubble (default: 2 per stage)")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="a global batch to check against the preset and M, as the trainer "
+                             "does (default: none checked)")
     args = parser.parse_args(argv)
     if args.devices:
         set_simulated_devices(args.devices)
@@ -89,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model, optimizer = nnx.eval_shape(build)
         sharding.check_divisible(preset, mesh, nnx.state(model))
-        stages = sharding.ways(mesh, preset.spec(("layers",))[0])
+        settings = sharding.check_layout(
+            preset, mesh, model=args.model, num_layers=cfg.num_layers,
+            batch_size=args.batch_size or None,
+            pipeline=sharding.Pipeline(microbatches=args.microbatches))
     except (sharding.PresetError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -104,10 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(of {mib(params, 'bytes')} in all)")
     print(f"optimizer state: {mib(opt, 'bytes_per_device')} per device "
           f"(of {mib(opt, 'bytes')} in all)")
-    if stages > 1:
+    if settings.microbatches:
         blocks = [r for r in params if r["axes"][:1] == ("layers",)]
-        microbatches = args.microbatches or pipeline.default_microbatches(stages)
-        print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, microbatches, blocks)))
+        print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, settings.microbatches,
+                                           blocks)))
     return 0
 
 

@@ -3,12 +3,15 @@
 Every file minigpt writes whole (config.json, meta.json, metrics.jsonl when it is rewritten on
 resume, loss.png) goes to a temporary name beside its destination and is renamed over it only
 once complete; a rename within one directory is atomic, so readers see the old file or the new
-one, never a torn one.
+one, never a torn one. Files are fingerprinted with `sha256` (downloads, prepared data, tokenizer
+provenance, imported checkpoints): one routine, reading in chunks so a 2 GB file never sits in
+memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,3 +36,16 @@ def replacing(path: str | Path) -> Iterator[Path]:
 def write_text_atomic(path: str | Path, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+CHUNK_BYTES = 1 << 20
+
+
+def sha256(path: str | Path, hasher=None) -> str:
+    """The hex sha256 of a file's bytes. A running `hasher` (hashlib.sha256()) is updated with
+    them instead of a new one, so a download can hash the part it already holds, then go on."""
+    hasher = hasher or hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            hasher.update(chunk)
+    return hasher.hexdigest()

@@ -12,9 +12,11 @@ is tuned for XLA's CPU backend, where profiles of the step showed three costs pl
   never stores the [B, T, V] logits and forms each chunk's gradient while its logits are at hand.
 
 `ModelConfig.kernels` chooses: "reference", "cpu", or "auto" (the default: "cpu" on the CPU
-backend, "reference" elsewhere). This module is the only place in minigpt that asks which backend
-is running. Both forms compute the same function; the tests compare losses and every gradient of
-the two on each architecture, so the accelerator path is checked on a CPU too.
+backend, "reference" elsewhere). A model puts its choice in the context its code runs in
+(`minigpt.sharding.running`) and its layers ask `active()`. This module is the only place in
+minigpt that asks which backend is running. Both forms compute the same function; the tests
+compare losses and every gradient of the two on each architecture, so the accelerator path is
+checked on a CPU too.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def resolve(choice: str) -> str:
 def get(choice: str) -> ReferenceKernels:
     """The kernel set for a `ModelConfig.kernels` value ("auto", "reference" or "cpu")."""
     return _KERNELS[resolve(choice)]
+
+
+def active() -> ReferenceKernels:
+    """The kernel set the running model chose (outside any model: "auto")."""
+    return get(sharding.active().kernels)
 
 
 class ReferenceKernels:

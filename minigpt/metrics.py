@@ -1,15 +1,24 @@
-"""Honest training metrics: model FLOPs, utilisation against a stated peak, a log and a plot.
+"""Honest training metrics: model FLOPs, utilisation against a stated peak, where they are written
+(metrics.jsonl, TensorBoard, the progress bar, a plot) and how steps are timed and profiled.
 
 MFU (model FLOPs utilisation) is the FLOPs the model needs per token, times tokens per second,
 over the peak FLOP/s of the devices. Peaks come from a table of known accelerators; on a CPU or
 any device not in the table the peak is measured here with a large float32 matmul, and the log
 says so, because such a figure is an estimate and not a vendor number.
+
+`metrics.jsonl` is the record of a run: one JSON object per logged step. TensorBoard's event files
+in `<run>/tensorboard/` show the same numbers and are rebuilt from it when a run resumes, so a
+resumed run's curves continue with no step twice; the profiler trace lands beside them, where
+TensorBoard's profile plugin looks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import math
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -17,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
 from minigpt.config import ModelConfig
 from minigpt.files import replacing
@@ -141,3 +151,156 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     with replacing(path) as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)
+
+
+# metrics.jsonl keys and the TensorBoard tags they are shown under.
+TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate",
+                    "grad_norm": "train/grad_norm", "tokens_per_s": "speed/tokens_per_s",
+                    "mfu": "speed/mfu", "eval_loss": "eval/loss",
+                    "eval_perplexity": "eval/perplexity"}
+
+
+class TensorBoard:
+    """The run's metrics as TensorBoard scalars, in `directory` (`<run>/tensorboard`).
+
+    It starts from `records`, the metrics.jsonl records the run keeps (on resume, those up to
+    the checkpoint it continues from), replacing the event files written before: TensorBoard
+    would otherwise show the steps after the checkpoint twice. The profiler's trace in
+    `directory/plugins/profile` is left alone.
+    """
+
+    def __init__(self, directory: Path, records: list[dict[str, Any]] = ()):
+        from tensorboardX import SummaryWriter  # imported by the writing process only
+
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob("events.out.tfevents.*"):
+            old.unlink()
+        self._writer = SummaryWriter(str(directory), flush_secs=10)
+        for record in records:
+            self.write(record)
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, tag in TENSORBOARD_TAGS.items():
+            if key in record:
+                self._writer.add_scalar(tag, record[key], record["step"])
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class StepTimer:
+    """Wall time per step, leaving out the first step (compilation) and eval/checkpoint pauses."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.last: float | None = None
+        self.paused = 0.0
+
+    def lap(self) -> float | None:
+        now = self.clock()
+        elapsed = None if self.last is None else now - self.last - self.paused
+        self.last, self.paused = now, 0.0
+        return elapsed
+
+    @contextlib.contextmanager
+    def pause(self):
+        start = self.clock()
+        yield
+        self.paused += self.clock() - start
+
+
+class Recorder:
+    """Turns each step's metrics into a metrics.jsonl record, TensorBoard scalars and the
+    progress bar. Processes other than 0 (`enabled=False`) time their steps and write nothing.
+
+    `tokens_per_step`, `flops_per_token`, `peak` (FLOP/s of one device) and `devices` turn a
+    step's wall time into tokens/s and MFU.
+    """
+
+    def __init__(self, out: Path, *, enabled: bool, step: int, total: int | None,
+                 tokens_per_step: int, flops_per_token: float, peak: float, devices: int,
+                 log_every: int):
+        self.tokens_per_step, self.flops, self.peak = tokens_per_step, flops_per_token, peak
+        self.devices, self.log_every = devices, log_every
+        self.timer = StepTimer()
+        path = out / "metrics.jsonl"
+        self.log = MetricsLog(path, enabled=enabled)
+        self.board = TensorBoard(out / "tensorboard", read_metrics(path)) if enabled else None
+        self.progress = (tqdm(total=total, initial=step, desc="train", unit="step",
+                              dynamic_ncols=True, mininterval=_progress_interval())
+                         if enabled else None)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.log.write(record)
+        if self.board is not None:
+            self.board.write(record)
+
+    def record(self, step: int, values: dict[str, float]) -> dict[str, Any]:
+        """Log a step's metrics (floats) with its speed; returns the record."""
+        elapsed = self.timer.lap()
+        entry = {"step": step, **values}
+        if elapsed is not None:
+            entry["tokens_per_s"] = self.tokens_per_step / elapsed
+            entry["mfu"] = self.flops * entry["tokens_per_s"] / (self.peak * self.devices)
+        self.write(entry)
+        if self.progress is not None:
+            self.progress.update(1)
+            if step % self.log_every == 0 and elapsed is not None:
+                self.progress.set_postfix(loss=f"{values['loss']:.3f}",
+                                          tok_s=f"{entry['tokens_per_s']:,.0f}",
+                                          mfu=f"{entry['mfu']:.3f}")
+        return entry
+
+    def record_eval(self, step: int, loss: float) -> None:
+        self.write({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))})
+        if self.progress is not None:
+            self.progress.write(f"step {step}: eval loss {loss:.4f}")
+
+    def set_total(self, steps: int) -> None:
+        if self.progress is not None:
+            self.progress.total = steps
+            self.progress.refresh()
+
+    def close(self) -> None:
+        self.log.close()
+        if self.board is not None:
+            self.board.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def _progress_interval() -> float:
+    """Seconds between progress bar updates: often on a terminal, rarely where each update is
+    kept (a notebook's saved output, a log file)."""
+    return 0.5 if sys.stderr.isatty() else 30.0
+
+
+class Profiler:
+    """A JAX profiler trace of steps a..b-1 into `directory` (the run's TensorBoard folder, where
+    the profile plugin finds it), and nothing else: no step still running and no checkpoint still
+    being written when it starts."""
+
+    def __init__(self, directory: Path, step_range: tuple[int, int] | None):
+        self.directory, self.range = directory, step_range
+        self.tracing = False
+
+    def before(self, step: int, pending, wait_for_saves) -> None:
+        """Before step `step` is dispatched; `pending` is the previous step's metrics (or None)
+        and `wait_for_saves()` blocks until checkpoint writes are done."""
+        if self.range and step == self.range[0]:
+            if pending is not None:
+                jax.block_until_ready(pending)
+            wait_for_saves()
+            jax.profiler.start_trace(str(self.directory))
+            self.tracing = True
+
+    def after(self, done: int, metrics) -> None:
+        if self.tracing and done == self.range[1]:
+            jax.block_until_ready(metrics)  # step b-1 runs to its end inside the trace
+            self.close()
+
+    def close(self) -> None:
+        """Stop the trace; also when the run ends (or stops) before step b."""
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False

@@ -47,18 +47,13 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def default_microbatches(stages: int) -> int:
-    """Pipeline microbatches when none are configured: 2 per stage (a bubble under 1/3)."""
-    return 2 * stages
-
-
-def stage_axis() -> str:
-    """The mesh axis the active preset splits `layers` over (one axis)."""
-    axes = sharding.mesh_axes_in(sharding.logical_to_spec(("layers",))[0])
-    if len(axes) != 1:
-        raise sharding.PresetError(f"a pipeline needs `layers` on exactly one mesh axis, got "
-                                   f"{axes or 'none'}")
-    return axes[0]
+def describe(stages: int, num_layers: int, settings: sharding.Pipeline, *,
+             sequences: int) -> str:
+    """One line saying how the stack runs: stages, microbatches of `sequences`, the bubble."""
+    M = settings.microbatches
+    return (f"pipeline: {stages} stages of {num_layers // stages} layers, {M} microbatches of "
+            f"{sequences // M} sequences; bubble (S - 1) / (M + S - 1) = "
+            f"{bubble_fraction(stages, M):.1%} of each step")
 
 
 def gpipe(stage_fn: Callable[..., jax.Array], params: Any, x: jax.Array, extras: Any, *,
@@ -70,7 +65,7 @@ def gpipe(stage_fn: Callable[..., jax.Array], params: Any, x: jax.Array, extras:
     microbatch's rows of every array in `extras` (positions, dropout keys; None for none) and
     `stage` the stage's index.
     """
-    axis = stage_axis()
+    axis = sharding.pipeline_axis()
     S, M = jax.sharding.get_abstract_mesh().shape[axis], microbatches
     xs = split_microbatches(x, M)  # [M, B/M, ...]
     extras = jax.tree.map(lambda e: split_microbatches(e, M), extras)

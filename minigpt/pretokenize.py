@@ -2,21 +2,11 @@
 
 Each story is encoded once and followed by the document separator token (`<|endoftext|>`, 50256
 for GPT-2), so the token files are the stories' concatenated stream: no padding, nothing lost.
-Files are read in chunks of whole stories and encoded with tiktoken's thread-parallel batch
-encoder, so a 2 GB source never sits in memory as one string or one list of tokens.
-
-How text is read (data/README.md says the same for users):
-
-- Layout: a file holding `<|endoftext|>` anywhere is split on it (the TinyStories `.txt` layout,
-  a separator line between stories). A file without it holds one story per blank-line-separated
-  block. A file with neither is refused: it is one undivided text, most likely the wrong file.
-- Each story is stripped of surrounding whitespace; empty ones are skipped.
-- A last story with no closing separator is kept if the file ends with a line break and dropped
-  if the file ends mid-line, which is what a cut-off copy looks like (the drop is reported and
-  recorded). Verified downloads are complete by construction and always keep it.
-- Text must be UTF-8; an invalid byte is reported with the file and its byte offset.
-- Without an official validation file, every `round(1/val_fraction)`-th story (exactly: story i
-  goes to validation when floor((i+1)*f) > floor(i*f)) is held out, spread evenly over the text.
+Files are read in batches of whole stories (`minigpt.stories`, which also says how a file is
+split into stories) and encoded with tiktoken's thread-parallel batch encoder, so a 2 GB source
+never sits in memory as one string or one list of tokens. Without an official validation file,
+every `round(1/val_fraction)`-th story (exactly: story i goes to validation when
+floor((i+1)*f) > floor(i*f)) is held out, spread evenly over the text.
 
 Outputs are written under temporary names and renamed when complete; `meta.json` comes last and
 records the tokenizer, counts and each source's size and sha256. Calling `prepare` again with
@@ -25,12 +15,8 @@ unchanged sources and settings reuses the files.
 
 from __future__ import annotations
 
-import hashlib
-import mmap
 import os
-import re
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from fractions import Fraction
 from pathlib import Path
@@ -39,8 +25,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from minigpt.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-from minigpt.tokens import (
+from minigpt.files import sha256
+from minigpt.stories import SEPARATOR, StoryFile
+from minigpt.token_files import (
     SPLITS,
     DataError,
     load_meta,
@@ -48,99 +35,10 @@ from minigpt.tokens import (
     token_file_problem,
     write_meta,
 )
+from minigpt.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
-SEPARATOR = "<|endoftext|>"
 FORMAT = 1
 DEFAULT_VAL_FRACTION = 0.1
-CHUNK_BYTES = 8 << 20  # about 10,000 TinyStories stories per encoder batch
-_BOM = b"\xef\xbb\xbf"
-_BLANK_LINES = re.compile(r"\n\s*\n", re.ASCII)  # the same blank lines as the bytes pattern
-_BLANK_LINES_BYTES = re.compile(rb"\n\s*\n")
-
-
-class StoryFile:
-    """One text file of stories, read as batches of whole stories."""
-
-    def __init__(self, path: str | Path, *, complete: bool = False):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise DataError(f"{self.path}: no such file")
-        self.size = self.path.stat().st_size
-        if self.size == 0:
-            raise DataError(f"{self.path} is empty: give a file with stories separated by "
-                            f"'{SEPARATOR}' lines or blank lines")
-        self.complete = complete
-        self.layout = self._detect_layout()
-        self.stories = 0
-        self.dropped_partial_story = False
-        self.sha256 = ""
-
-    def _detect_layout(self) -> str:
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m.find(SEPARATOR.encode()) >= 0:
-                return "separator"
-            if _BLANK_LINES_BYTES.search(m):
-                return "blank-line"
-        raise DataError(
-            f"{self.path} has no story separators: put a line holding '{SEPARATOR}' between "
-            f"stories (the TinyStories layout), or a blank line")
-
-    def _last_boundary(self, buf: bytes) -> tuple[int, int] | None:
-        """Start and end of the last story separator in `buf`."""
-        if self.layout == "separator":
-            start = buf.rfind(SEPARATOR.encode())
-            return None if start < 0 else (start, start + len(SEPARATOR))
-        last = None
-        for last in _BLANK_LINES_BYTES.finditer(buf):  # noqa: B007 - the last match is wanted
-            pass
-        return None if last is None else last.span()
-
-    def _decode(self, raw: bytes, offset: int) -> str:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            bad = raw[error.start:error.start + 4]
-            raise DataError(
-                f"{self.path}: invalid UTF-8 at byte offset {offset + error.start:,} "
-                f"(bytes {bad!r}): stories must be UTF-8 text; re-encode the file, e.g. "
-                f"`iconv -f latin1 -t utf-8`") from None
-
-    def _split(self, raw: bytes, offset: int) -> list[str]:
-        text = self._decode(raw, offset)
-        parts = text.split(SEPARATOR) if self.layout == "separator" else _BLANK_LINES.split(text)
-        return [s for s in (p.strip() for p in parts) if s]
-
-    def batches(self, chunk_bytes: int | None = None) -> Iterator[tuple[list[str], int]]:
-        """Yield (stories, bytes of the file they span), computing the file's sha256 on the way."""
-        chunk_bytes = chunk_bytes or CHUNK_BYTES
-        hasher = hashlib.sha256()
-        offset, buf = 0, b""
-        with open(self.path, "rb") as f:
-            while chunk := f.read(chunk_bytes):
-                hasher.update(chunk)
-                buf = buf + chunk if buf else chunk
-                if offset == 0 and buf.startswith(_BOM):
-                    buf, offset = buf[len(_BOM):], len(_BOM)
-                boundary = self._last_boundary(buf)
-                if boundary is None:
-                    continue  # a story longer than a chunk: read on
-                stories = self._split(buf[:boundary[0]], offset)
-                offset += boundary[1]
-                buf = buf[boundary[1]:]
-                self.stories += len(stories)
-                yield stories, boundary[1]
-        self.sha256 = hasher.hexdigest()
-        tail: list[str] = []
-        if buf.strip():
-            if self.complete or buf.endswith(b"\n"):
-                tail = self._split(buf, offset)
-            else:
-                self.dropped_partial_story = True
-                tqdm.write(f"note: {self.path} ends mid-line, so its last story ({len(buf):,} "
-                           f"bytes) looks cut off and is left out; end the file with a line "
-                           f"break to keep it", file=sys.stderr)
-        self.stories += len(tail)
-        yield tail, len(buf)
 
 
 def _held_out(first: int, count: int, fraction: Fraction) -> np.ndarray:
@@ -186,22 +84,38 @@ def _fingerprint(path: Path, split: str, previous: dict[str, Any] | None) -> dic
     if previous and (previous["bytes"], previous["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns):
         digest = previous["sha256"]
     else:
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        digest = sha256(path)
     return {"split": split, "bytes": stat.st_size, "sha256": digest}
 
 
-def _reusable(out_dir: Path, settings: dict[str, Any], inputs: list[tuple[Path, str]]) -> bool:
+def is_current(out_dir: str | Path, expected: dict[str, Any], inputs: list[tuple[Path, str]],
+               *, allow_deleted: bool = False) -> bool:
+    """Whether `out_dir` holds complete token files that `prepare` made from exactly these
+    (path, split) sources with these settings, none changed since.
+
+    `expected` maps meta.json keys (a dotted key reaches inside: "dataset.revision") to the
+    values they must have. A source is unchanged when its size and sha256 are (the hash is only
+    recomputed when the size or modification time moved). With `allow_deleted`, a source that
+    no longer exists counts as unchanged: a user may delete a 2 GB text once it is tokenized.
+    """
     try:
         meta = load_meta(out_dir)
     except DataError:
         return False
-    if any(meta.get(k) != v for k, v in settings.items()) or token_file_problem(out_dir, meta):
-        return False
+    for key, value in expected.items():
+        found: Any = meta
+        for part in key.split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        if found != value:
+            return False
     recorded = meta.get("sources", [])
-    if len(recorded) != len(inputs):
+    if token_file_problem(out_dir, meta) or len(recorded) != len(inputs):
         return False
     for (path, split), old in zip(inputs, recorded):
+        if allow_deleted and not path.exists() and old.get("file") == path.name:
+            continue
+        if not path.exists():
+            return False
         new = _fingerprint(path, split, old if old.get("path") == str(path.resolve()) else None)
         if any(old.get(k) != v for k, v in new.items()):
             return False
@@ -260,7 +174,7 @@ def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
     inputs += [(Path(p), "val") for p in val_files]
     settings = {"format": FORMAT, "tokenizer": tokenizer,
                 "val_fraction": None if val_files else val_fraction}
-    if _reusable(out_dir, settings, inputs):
+    if is_current(out_dir, settings, inputs):
         return load_meta(out_dir)
 
     enc = load_tokenizer(tokenizer)

@@ -4,33 +4,39 @@
   laptop (`--devices 8`).
 - `join_job(...)`: join a multi-process JAX job (several hosts, or several processes on one
   machine), before anything else touches the devices.
+- `StopOnInterrupt`: the first Ctrl-C becomes a request a loop honours at a safe point.
 - `relaunch_with_huge_pages()`: on Linux with glibc, restart the process once with
   `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. XLA's CPU backend allocates every large temporary
   buffer afresh on each step; with ordinary 4 KiB pages the kernel then spends much of the step
   zero-filling pages on first touch. Transparent huge pages cut that cost 512-fold: a CPU train
-  step of `minigpt` runs 15-25% faster (bench/RESULTS.md). Setting GLIBC_TUNABLES yourself, to
-  anything, opts out.
+  step of `minigpt` runs 15-25% faster (bench/RESULTS.md). The restarted process says so once,
+  on stderr. `MINIGPT_HUGE_PAGES=0` turns it off; setting GLIBC_TUNABLES yourself, to anything,
+  leaves your setting alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import signal
 import sys
+import threading
 
 import jax
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
+_RELAUNCHED = "_MINIGPT_RELAUNCHED_WITH_HUGE_PAGES"  # set for the restarted process only
 
 
 def set_simulated_devices(count: int) -> None:
     """Make JAX see `count` CPU devices; must run before JAX starts its backends."""
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeError("simulated devices must be set before JAX starts; it already has")
+    try:
+        jax.config.update("jax_num_cpu_devices", count)  # JAX refuses once its backends run
+    except RuntimeError:
+        raise RuntimeError("simulated devices must be set before JAX starts; it already has "
+                           "(set them before anything asks JAX for its devices)") from None
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", count)
 
 
 def join_job(coordinator: str | None = None, num_processes: int | None = None,
@@ -46,12 +52,52 @@ def join_job(coordinator: str | None = None, num_processes: int | None = None,
 
 
 def relaunch_with_huge_pages() -> None:
-    """Replace this process by the same command with huge pages for malloc (see above)."""
+    """Replace this process by the same command with huge pages for malloc (see above); in the
+    restarted process, say that it happened."""
+    if os.environ.pop(_RELAUNCHED, None):
+        print(f"note: restarted with huge pages for malloc (GLIBC_TUNABLES={HUGE_PAGES}), which "
+              f"makes CPU steps 15-25% faster; MINIGPT_HUGE_PAGES=0 turns this off",
+              file=sys.stderr, flush=True)
+        return
     libc, version = platform.libc_ver()
     if (sys.platform != "linux" or libc != "glibc" or "GLIBC_TUNABLES" in os.environ
+            or os.environ.get("MINIGPT_HUGE_PAGES") == "0"
             or tuple(int(v) for v in version.split(".")[:2]) < (2, 35)):
         return
-    env = {**os.environ, "GLIBC_TUNABLES": HUGE_PAGES}
+    env = {**os.environ, "GLIBC_TUNABLES": HUGE_PAGES, _RELAUNCHED: "1"}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+class StopOnInterrupt:
+    """Turn the first Ctrl-C into a request the loop honours at a safe point (after a step has
+    been dispatched), so the checkpoint it saves is consistent; a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+        print("\ninterrupted: finishing the current step and saving a checkpoint "
+              "(Ctrl-C again to quit without saving)", flush=True)
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class NoInterrupts(contextlib.nullcontext):
+    """Where Ctrl-C cannot be honoured at a safe point (a multi-process job stops as a whole)."""
+
+    requested = False
+
+    def __enter__(self):
+        return self

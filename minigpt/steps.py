@@ -8,46 +8,18 @@ its metrics as device scalars; the trainer decides when to look at them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from minigpt import kernels, pipeline
-from minigpt.config import TrainConfig, warmup_for
+from minigpt import kernels, pipeline, sharding
+from minigpt.config import TrainConfig
 from minigpt.models import DecoderLM
 from minigpt.models.layers import DECAYED_PARAMETERS, row_keys
-
-
-@dataclasses.dataclass(frozen=True)
-class LRSchedule:
-    """Linear warm-up to `peak`, cosine decay to `floor` at step `decay_end`, constant after.
-
-    Warm-up starts at peak / warmup rather than 0, so the first step already learns. A frozen
-    dataclass rather than a closure: equal schedules compare equal, so runs with the same
-    hyperparameters share one compiled train step.
-    """
-
-    peak: float
-    floor: float
-    warmup: int
-    decay_end: int
-
-    def __call__(self, step):
-        step = jnp.asarray(step, jnp.float32)
-        warm = self.peak * (step + 1) / max(self.warmup, 1)
-        progress = jnp.clip((step - self.warmup) / max(self.decay_end - self.warmup, 1), 0.0, 1.0)
-        cosine = self.floor + (self.peak - self.floor) * 0.5 * (1 + jnp.cos(math.pi * progress))
-        return jnp.where(step < self.warmup, warm, cosine)
-
-
-def lr_schedule(cfg: TrainConfig) -> LRSchedule:
-    return LRSchedule(peak=cfg.lr, floor=cfg.lr * cfg.min_lr_ratio, warmup=warmup_for(cfg),
-                      decay_end=cfg.decay_steps or cfg.steps)
+from minigpt.schedule import LRSchedule
 
 
 def decays(path: tuple) -> bool:
@@ -59,45 +31,66 @@ def decays(path: tuple) -> bool:
     return name in DECAYED_PARAMETERS
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:
     """AdamW after global-norm clipping; matrices and tables decay, biases and norm scales do
-    not (`decays`)."""
-    return _adamw(lr_schedule(cfg), cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip)
+    not (`decays`). The learning rate is not part of it: each update is given the run's
+    `LRSchedule` (`optimizer.update(model, grads, schedule=...)`)."""
+    return _adamw(cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip)
+
+
+def scale_by_schedule_given() -> optax.GradientTransformationExtraArgs:
+    """Multiply updates by -schedule(step), the schedule arriving with each update.
+
+    Its state is optax's own `ScaleByScheduleState` (the step count), the state
+    `optax.adamw(schedule)` keeps, so checkpoints of runs that compiled their schedule into the
+    optimizer restore into this one unchanged.
+    """
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, *, schedule: LRSchedule, **extra):
+        del params, extra
+        rate = schedule(state.count)
+        updates = jax.tree.map(lambda g: jnp.asarray(-rate, g.dtype) * g, updates)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 @functools.cache
-def _adamw(schedule: LRSchedule, b1: float, b2: float, weight_decay: float,
-           clip: float) -> optax.GradientTransformation:
+def _adamw(b1: float, b2: float, weight_decay: float,
+           clip: float) -> optax.GradientTransformationExtraArgs:
     # Cached: the optimizer object is part of what a compiled step is keyed on, so equal
     # settings must give the identical object to reuse a compilation.
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
-    return optax.chain(
-        optax.clip_by_global_norm(clip),
-        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask),
+    adamw = optax.chain(  # optax.adamw, its learning rate given at each update
+        optax.scale_by_adam(b1=b1, b2=b2),
+        optax.add_decayed_weights(weight_decay, decay_mask),
+        scale_by_schedule_given(),
     )
+    return optax.chain(optax.clip_by_global_norm(clip), adamw)
 
 
-def loss_fn(model: DecoderLM, batch: dict[str, jax.Array], dropout_keys: jax.Array | None = None,
-            pipeline_microbatches: int = 0) -> jax.Array:
+def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],
+            dropout_keys: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each), with
     dropout when keys (one per row) are given."""
-    x = model.features(batch["inputs"], dropout_key=dropout_keys,
-                       pipeline_microbatches=pipeline_microbatches)  # [B, T, D]
+    x = model.features(batch["inputs"], dropout_key=dropout_keys)  # [B, T, D]
     return kernels.get(model.config.kernels).cross_entropy(model, x, batch["targets"])
 
 
-def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int, pipeline_microbatches: int):
+def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int):
     if microbatches == 1:
-        return nnx.value_and_grad(loss_fn)(model, batch, keys, pipeline_microbatches)
+        return nnx.value_and_grad(loss_fn)(model, batch, keys)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def accumulate(carry, micro):
         micro_batch, micro_keys = micro
         loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(nnx.merge(graphdef, p, rest), micro_batch, micro_keys,
-                              pipeline_microbatches))(params)
+            lambda p: loss_fn(nnx.merge(graphdef, p, rest), micro_batch, micro_keys))(params)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
     # Each microbatch takes its rows' keys along, so accumulation draws the masks one big batch
@@ -108,13 +101,13 @@ def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int, pipeline_m
     return jax.tree.map(lambda x: x / microbatches, (loss, grads))
 
 
-@functools.partial(nnx.jit, static_argnames=("microbatches", "pipeline_microbatches", "schedule"),
-                   donate_argnames=("model", "optimizer"))
+@sharding.jit(static_argnames=("microbatches",), donate_argnames=("model", "optimizer"))
 def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.Array],
-               rng: jax.Array, *, microbatches: int = 1, pipeline_microbatches: int = 0,
-               schedule: optax.Schedule | None = None) -> dict[str, jax.Array]:
-    """One optimizer step on a global batch, accumulated over `microbatches` inside the step
-    (and, under a pipeline preset, run through the stages in `pipeline_microbatches` pieces).
+               rng: jax.Array, schedule: LRSchedule, *,
+               microbatches: int = 1) -> dict[str, jax.Array]:
+    """One optimizer step on a global batch at the learning rate `schedule` gives this step,
+    accumulated over `microbatches` inside the step (under a pipeline preset each of them runs
+    through the stages as the context's pipeline settings say).
 
     Row r of the batch draws its dropout masks from fold_in(fold_in(rng, step), r), whatever
     the preset, accumulation or pipeline, so all of them compute the same step.
@@ -123,16 +116,12 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
     keys = None
     if model.config.dropout > 0:
         keys = row_keys(jax.random.fold_in(rng, step), batch["inputs"].shape[0])
-    loss, grads = _loss_and_grads(model, batch, keys, microbatches, pipeline_microbatches)
-    optimizer.update(model, grads)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-    if schedule is not None:
-        metrics["lr"] = schedule(step)
-    return metrics
+    loss, grads = _loss_and_grads(model, batch, keys, microbatches)
+    optimizer.update(model, grads, schedule=schedule)
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
 
 
-@functools.partial(nnx.jit, static_argnames=("pipeline_microbatches",))
-def eval_step(model: DecoderLM, batch: dict[str, jax.Array], *,
-              pipeline_microbatches: int = 0) -> jax.Array:
+@sharding.jit
+def eval_step(model: DecoderLM, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean loss on a batch, without dropout."""
-    return loss_fn(model, batch, None, pipeline_microbatches)
+    return loss_fn(model, batch)

@@ -5,7 +5,8 @@ trained on TinyStories that ship with minigpt as ranks files (`tinystories-4k`, 
 `minigpt/vocabularies/`, each beside a JSON file saying how it was made); a path to such a
 `.tiktoken` file works too. Either way the runtime tokenizer is a `tiktoken.Encoding`: the
 shipped vocabularies are their mergeable ranks, GPT-2's split pattern and `<|endoftext|>` as the
-last id. `train_ranks` makes a new one (with the optional `rustbpe` trainer).
+last id. `train_tokenizer` makes a new one from story files (with the optional `rustbpe`
+trainer).
 
 tiktoken fetches an encoding's BPE files from OpenAI's blob store on first use and keeps them in
 a cache directory. Without a network and without that cache it fails deep inside `requests`
@@ -22,12 +23,14 @@ import functools
 import json
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 
 import tiktoken
 
-from minigpt.files import write_text_atomic
+from minigpt.files import sha256, write_text_atomic
+from minigpt.stories import StoryFile
 
 DEFAULT_TOKENIZER = "gpt2"
 SHIPPED_DIR = Path(__file__).resolve().parent / "vocabularies"
@@ -90,9 +93,9 @@ def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> tiktoken.Encoding:
             f"cannot load the {name!r} tokenizer: its BPE files are not in the tiktoken cache "
             f"({_cache_dir()}) and downloading them failed ({type(error).__name__}: {detail}). "
             f"Offline, set TIKTOKEN_CACHE_DIR to a directory holding the files under tiktoken's "
-            f"cache names (copy the cache directory of a machine where "
-            f"`tiktoken.get_encoding({name!r})` ran), e.g. "
-            f"`export TIKTOKEN_CACHE_DIR=../shared/assets/tiktoken_cache`."
+            f"cache names: copy the cache directory of a machine where "
+            f"`tiktoken.get_encoding({name!r})` ran, then `export TIKTOKEN_CACHE_DIR=<that "
+            f"directory>`."
         ) from error
 
 
@@ -143,3 +146,25 @@ def train_ranks(texts: Iterable[str], vocab_size: int) -> dict[bytes, int]:
     trainer = rustbpe.Tokenizer()
     trainer.train_from_iterator(iter(texts), vocab_size - 1, pattern=PATTERN)
     return {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
+
+
+def train_tokenizer(files: Sequence[str | Path], vocab_size: int, out: str | Path) -> dict:
+    """Train a BPE vocabulary on the stories of `files` (read as `minigpt.stories` reads them);
+    write `out` (.tiktoken) and its provenance JSON beside it; return the provenance."""
+    story_files = [StoryFile(path) for path in files]
+
+    def stories():
+        for story_file in story_files:
+            for batch, _ in story_file.batches():
+                yield from batch
+
+    ranks = train_ranks(stories(), vocab_size)
+    sources = [{"file": f.path.name, "bytes": f.size, "sha256": sha256(f.path)}
+               for f in story_files]
+    provenance = {"vocab_size": len(ranks) + 1, "special_tokens": {EOT: len(ranks)},
+                  "trained_on": sources, "trainer": f"rustbpe {version('rustbpe')}",
+                  "pattern": "GPT-2's (minigpt.tokenizer.PATTERN)",
+                  "command": "python -m minigpt.data tokenizer --vocab-size "
+                             f"{vocab_size} --text {' '.join(f.path.name for f in story_files)}"}
+    write_ranks(ranks, out, provenance)
+    return provenance

@@ -9,6 +9,7 @@ which defaults to ../shared/assets beside the repository. Where they are absent,
 need TinyStories text use a small synthetic fixture, and tiktoken downloads its files itself.
 """
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -96,10 +97,55 @@ def data_dir(stories_file, tmp_path_factory, gpt2) -> Path:
     return resolve_data([str(stories_file)], tmp_path_factory.mktemp("data"))
 
 
+def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a TensorBoard log directory, as TensorBoard's own reader sees it:
+    tag -> [(step, value)] in the order written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
+
+
 def losses(run_dir) -> list[float]:
     """The training losses a run directory's metrics.jsonl records, step by step."""
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.fixture(scope="session")
+def small_stories(stories_file, tmp_path_factory) -> Path:
+    """About 400 KB of the stories: enough for short training runs."""
+    path = tmp_path_factory.mktemp("text") / "stories.txt"
+    path.write_bytes(stories_file.read_bytes()[:400_000].rsplit(b"<|endoftext|>", 1)[0])
+    return path
+
+
+def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random token ids as a training batch: inputs and targets [batch, seq], int32."""
+    tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@pytest.fixture(scope="session")
+def straight(tmp_path_factory):
+    """`straight(model_cfg, train_cfg)`: the training losses of an uninterrupted run of those
+    configs (whatever `out` says), trained once per session: what every resumed, interrupted
+    or recovered run of them must reproduce."""
+    from minigpt import train
+
+    done: dict = {}
+
+    def losses_of(model_cfg, train_cfg) -> list[float]:
+        key = (model_cfg, dataclasses.replace(train_cfg, out=""))
+        if key not in done:
+            out = tmp_path_factory.mktemp("straight") / "run"
+            train.train(model_cfg, dataclasses.replace(train_cfg, out=str(out)), sample=False)
+            done[key] = losses(out)
+        return done[key]
+
+    return losses_of
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from conftest import (
 
 from minigpt import download
 from minigpt.data import main, prepare_tinystories, resolve_data
-from minigpt.tokens import DataError, load_meta
+from minigpt.token_files import DataError, load_meta
 
 
 @pytest.fixture(scope="module")

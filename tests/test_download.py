@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from minigpt import download
-from minigpt.tokens import DataError
+from minigpt.token_files import DataError
 
 
 def _fetch(server, tmp_path, data: bytes, **kwargs) -> tuple[Path, str]:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_batch
 from flax import nnx
 
 from minigpt import kernels, steps
@@ -15,11 +16,6 @@ from minigpt.config import ConfigError
 from minigpt.models import build_model, get_config
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigpt"
-
-
-def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, jax.Array]:
-    tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1)).astype(np.int32)
-    return {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
 
 
 def loss_and_grads(cfg, batch):
@@ -43,7 +39,7 @@ def test_auto_means_cpu_kernels_on_a_cpu_and_names_are_checked():
     pytest.param("llama-tiny", 4, 128, marks=pytest.mark.slow), ("minigpt-tiny", 3, 7)])
 def test_cpu_kernels_give_the_reference_loss_and_every_gradient(name, batch, seq):
     cfg = dataclasses.replace(get_config(name), dropout=0.0)
-    data = random_batch(cfg.vocab_size, batch, seq, seed=5)
+    data = {k: jnp.asarray(v) for k, v in random_batch(cfg.vocab_size, batch, seq, 5).items()}
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, kernels="reference"), data)
     cpu_loss, cpu_grads = loss_and_grads(dataclasses.replace(cfg, kernels="cpu"), data)
     assert cpu_loss == pytest.approx(ref_loss, rel=1e-6)

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import minigpt.loader
-from minigpt.data import prepare_text
 from minigpt.loader import batch_iterator
-from minigpt.tokens import DataError
+from minigpt.token_files import DataError
 
 # ---------------------------------------------------------------------------------------------
 # The batch iterator, over a token file whose token at position i is i (so every row names its
@@ -126,13 +125,8 @@ def test_iterator_refuses_unusable_requests(counting, tmp_path):
         batch_iterator(broken, "train", seq_len=16, batch_size=8, seed=0)
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, gpt2, stories_file) -> Path:
-    return prepare_text([stories_file], tmp_path_factory.mktemp("data"), progress=False)
-
-
-def test_batches_from_prepared_stories(prepared):
-    batch = next(batch_iterator(prepared, "train", seq_len=64, batch_size=4, seed=0))
+def test_batches_from_prepared_stories(data_dir):
+    batch = next(batch_iterator(data_dir, "train", seq_len=64, batch_size=4, seed=0))
     assert batch["inputs"].shape == batch["targets"].shape == (4, 64)
     assert np.array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
     assert batch["inputs"].max() < 50257

@@ -4,6 +4,7 @@ the metrics log and the loss plot."""
 import json
 
 import pytest
+from conftest import tensorboard_scalars
 
 from minigpt import metrics
 from minigpt.models import get_config
@@ -39,8 +40,12 @@ def test_peak_comes_from_the_table_for_known_chips_and_is_measured_otherwise(mon
     metrics.device_peak.cache_clear()
 
 
-def test_measured_peak_is_a_plausible_flop_rate():
-    assert 1e8 < metrics.measure_matmul_peak(size=256, repeats=2) < 1e14
+def test_the_measured_peak_is_the_fastest_of_the_timed_matmuls(monkeypatch):
+    # Three timed runs of a 256 x 256 matmul (2 * 256^3 FLOPs) taking 0.4, 0.2 and 0.3 s.
+    ticks = iter([10.0, 10.4, 11.0, 11.2, 12.0, 12.3])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(ticks))
+    assert metrics.measure_matmul_peak(size=256, repeats=3) == pytest.approx(2 * 256**3 / 0.2)
+    assert next(ticks, None) is None  # each run was timed, and nothing else
 
 
 def test_log_appends_one_json_object_per_line_and_the_plot_is_a_png(tmp_path):
@@ -58,3 +63,37 @@ def test_log_appends_one_json_object_per_line_and_the_plot_is_a_png(tmp_path):
     metrics.plot_losses(records + [{"step": 2, "loss": 4.0}], tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert pytest.approx(4.5) == records[1]["eval_loss"]
+
+
+RECORDS = [{"step": 1, "loss": 5.0, "grad_norm": 1.5, "lr": 1e-4},
+           {"step": 2, "loss": 4.5, "grad_norm": 1.2, "lr": 2e-4, "tokens_per_s": 900.0,
+            "mfu": 0.25},
+           {"step": 2, "eval_loss": 4.25, "eval_perplexity": 70.1},
+           {"step": 3, "loss": 4.0, "grad_norm": 1.0, "lr": 3e-4, "tokens_per_s": 1000.0,
+            "mfu": 0.5}]
+
+
+def expected(records):
+    by_tag = {}
+    for r in records:
+        for key, tag in metrics.TENSORBOARD_TAGS.items():
+            if key in r:
+                by_tag.setdefault(tag, []).append((r["step"], pytest.approx(r[key], rel=1e-6)))
+    return by_tag
+
+
+def test_tensorboard_shows_every_metric_at_every_step_and_a_restart_replaces_the_rest(tmp_path):
+    board = metrics.TensorBoard(tmp_path / "tb")
+    for record in RECORDS:
+        board.write(record)
+    board.close()
+    assert tensorboard_scalars(tmp_path / "tb") == expected(RECORDS)
+    assert set(expected(RECORDS)) == set(metrics.TENSORBOARD_TAGS.values())
+    # A resume from step 2 starts from the records kept; step 3 is written again, once.
+    (tmp_path / "tb" / "plugins" / "profile").mkdir(parents=True)  # a trace stays put
+    board = metrics.TensorBoard(tmp_path / "tb", RECORDS[:3])
+    again = {"step": 3, "loss": 3.9, "grad_norm": 0.9, "lr": 3e-4}
+    board.write(again)
+    board.close()
+    assert tensorboard_scalars(tmp_path / "tb") == expected(RECORDS[:3] + [again])
+    assert (tmp_path / "tb" / "plugins" / "profile").is_dir()

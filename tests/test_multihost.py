@@ -20,18 +20,12 @@ from conftest import losses
 from minigpt import train
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
-from minigpt.tokenizer import TokenizerError, load_tokenizer
 
 MODEL = get_config("minigpt-tiny")
 STEPS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def tokenizer_available():
-    try:
-        load_tokenizer()
-    except TokenizerError as e:
-        pytest.skip(f"the multi-process tests need the GPT-2 tokenizer: {e}")
+pytestmark = pytest.mark.usefixtures("gpt2")  # skipped, saying why, where it cannot load
 
 
 def config(data_dir, out, preset="fsdp", steps=STEPS) -> TrainConfig:

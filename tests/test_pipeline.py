@@ -9,26 +9,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import losses
+from conftest import losses, random_batch
 from flax import nnx
 
-from minigpt import explain, generate, pipeline, sharding, steps, train
+from minigpt import explain, generate, pipeline, schedule, sharding, steps, train
 from minigpt.config import TrainConfig
 from minigpt.models import build_model, get_config
 
 PIPELINES = ["pp", "dp_pp", "fsdp_pp", "pp_tp"]
 TRAIN = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3)
+RATES = schedule.lr_schedule(TRAIN)
 BATCH = 16
 
 
 def deep(name: str, **changes):
     """A zoo model with 8 layers (one per stage under `pp`), float32, dropout off."""
     return dataclasses.replace(get_config(name), **{"num_layers": 8, "dropout": 0.0, **changes})
-
-
-def random_batch(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    tokens = np.random.default_rng(seed).integers(0, vocab, (BATCH, 33)).astype(np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
 def build(cfg):
@@ -43,6 +39,12 @@ def on(preset_name: str, cfg):
     return preset, mesh, model, optimizer
 
 
+def placed(preset, mesh, vocab: int, seed: int = 0):
+    """A random batch of BATCH sequences of 32 tokens, placed as the preset splits batches."""
+    return sharding.put_batch(random_batch(vocab, BATCH, 32, seed),
+                              sharding.batch_sharding(preset, mesh))
+
+
 def as_host(state) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(v)
             for p, v in jax.tree_util.tree_leaves_with_path(state)}
@@ -55,11 +57,9 @@ def loss_and_grads(preset_name: str, cfg, microbatches: int = 4):
     key = (preset_name, cfg, microbatches)
     if key not in _grads:
         preset, mesh, model, _ = on(preset_name, cfg)
-        with sharding.use_preset(preset, mesh):
-            batch = sharding.put_batch(random_batch(cfg.vocab_size),
-                                       sharding.batch_sharding(preset, mesh))
-            loss, grads = nnx.jit(nnx.value_and_grad(
-                lambda m, b: steps.loss_fn(m, b, None, microbatches)))(model, batch)
+        with sharding.use_preset(preset, mesh, sharding.Pipeline(microbatches)):
+            loss, grads = nnx.jit(nnx.value_and_grad(steps.loss_fn))(
+                model, placed(preset, mesh, cfg.vocab_size))
         _grads[key] = (float(loss), as_host(nnx.state(grads)))
     return _grads[key]
 
@@ -92,11 +92,9 @@ def test_dropout_masks_are_the_same_pipelined_or_not():
     results = {}
     for name in ("dp", "pp"):
         preset, mesh, model, optimizer = on(name, cfg)
-        with sharding.use_preset(preset, mesh):
-            batch = sharding.put_batch(random_batch(cfg.vocab_size),
-                                       sharding.batch_sharding(preset, mesh))
-            metrics = steps.train_step(model, optimizer, batch, jax.random.key(5),
-                                       pipeline_microbatches=8)
+        with sharding.use_preset(preset, mesh, sharding.Pipeline(microbatches=8)):
+            metrics = steps.train_step(model, optimizer, placed(preset, mesh, cfg.vocab_size),
+                                       jax.random.key(5), RATES)
         results[name] = (float(metrics["loss"]), float(metrics["grad_norm"]))
     assert results["pp"][0] == pytest.approx(results["dp"][0], rel=1e-6)
     assert results["pp"][1] == pytest.approx(results["dp"][1], rel=1e-5)
@@ -108,14 +106,12 @@ def test_three_adamw_steps_agree_with_data_parallel():
     params = {}
     for name in ("dp", "fsdp_pp"):
         preset, mesh, model, optimizer = on(name, cfg)
-        with sharding.use_preset(preset, mesh):
+        with sharding.use_preset(preset, mesh, sharding.Pipeline(microbatches=4)):
             for step in range(3):
-                batch = sharding.put_batch(random_batch(cfg.vocab_size, seed=step),
-                                           sharding.batch_sharding(preset, mesh))
-                steps.train_step(model, optimizer, batch, jax.random.key(0),
-                                 pipeline_microbatches=4, schedule=steps.lr_schedule(TRAIN))
+                steps.train_step(model, optimizer, placed(preset, mesh, cfg.vocab_size, step),
+                                 jax.random.key(0), RATES)
         params[name] = as_host(nnx.state(model, nnx.Param))
-    moved = sum(float(steps.lr_schedule(TRAIN)(s)) for s in range(3))  # at most this far
+    moved = sum(float(RATES(s)) for s in range(3))  # at most this far
     close = total = 0
     for key, value in params["dp"].items():
         got = params["fsdp_pp"][key]
@@ -185,11 +181,9 @@ def test_compiled_step_permutes_activations_and_never_gathers_across_stages(pres
     preset, mesh, model, optimizer = on(preset_name, cfg)
     stage_of = {d.id: s for s in range(mesh.shape["stage"])
                 for d in np.take(mesh.devices, [s], axis=mesh.axis_names.index("stage")).flat}
-    with sharding.use_preset(preset, mesh):
-        batch = sharding.put_batch(random_batch(cfg.vocab_size),
-                                   sharding.batch_sharding(preset, mesh))
-        text = steps.train_step.lower(model, optimizer, batch, jax.random.key(0),
-                                      pipeline_microbatches=4).compile().as_text()
+    with sharding.use_preset(preset, mesh, sharding.Pipeline(microbatches=4)):
+        text = steps.train_step.lower(model, optimizer, placed(preset, mesh, cfg.vocab_size),
+                                      jax.random.key(0), RATES).compile().as_text()
     ops = re.findall(r"^\s*%\S+ = .*?[\]})] (all-gather|collective-permute)(?:-start)?\(.*$",
                      text, flags=re.M)
     lines = [line for line in text.splitlines()
@@ -210,7 +204,7 @@ def test_microbatch_helpers_and_the_bubble():
     assert split.shape == (3, 2, 2) and split[0, :, 0].tolist() == [0, 6]  # every 3rd row
     assert np.array_equal(pipeline.join_microbatches(split), x)
     assert pipeline.bubble_fraction(4, 8) == pytest.approx(3 / 11)
-    assert pipeline.bubble_fraction(1, 8) == 0.0 and pipeline.default_microbatches(4) == 8
+    assert pipeline.bubble_fraction(1, 8) == 0.0 and sharding.default_microbatches(4) == 8
 
 
 def test_explainer_shows_each_stages_layers_and_the_bubble(capsys):
@@ -241,26 +235,16 @@ def config(data_dir, tmp_path):
                        save_every=3, log_every=1, pipeline_microbatches=8)
 
 
-@pytest.fixture(scope="module")
-def straight(data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("straight") / "run"
-    cfg = TrainConfig(preset="pp", model="minigpt-tiny8", data=(str(data_dir),), out=str(out),
-                      steps=6, decay_steps=6, batch_size=16, seq_len=32, lr=3e-3,
-                      warmup_steps=2, eval_every=6, eval_batches=1, save_every=3, log_every=1,
-                      pipeline_microbatches=8)
-    train.train(MODEL, cfg, sample=False)
-    return losses(out)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("first, then", [("dp", "pp"), ("pp", "dp")])
 def test_a_run_moves_between_pipelined_and_unpipelined_presets(config, straight, first, then):
+    uninterrupted = straight(MODEL, config)
     half = dataclasses.replace(config, preset=first, steps=3)
     train.train(MODEL, half, sample=False)
     summary = train.train(MODEL, dataclasses.replace(half, preset=then, steps=6), resume=True,
                           sample=False)
     assert summary["step"] == 6 and summary["eval_loss"] is not None
-    np.testing.assert_allclose(losses(config.out), straight, rtol=1e-5)
+    np.testing.assert_allclose(losses(config.out), uninterrupted, rtol=1e-5)
     # Generation under a pipeline preset, from what either layout wrote.
     model, tokenizer, preset, mesh, _ = generate.load_for_generation(config.out, "pp")
     with sharding.use_preset(preset, mesh):

@@ -2,44 +2,38 @@
 rules (layouts, cut-off last story, UTF-8, held-out stories), reused while nothing changed."""
 
 import hashlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import EOT, expected_stories, tokens_of, write_synthetic_stories
 
-from minigpt import pretokenize
+from minigpt import pretokenize, stories
 from minigpt.data import prepare_text
-from minigpt.tokens import DataError, load_meta
+from minigpt.token_files import DataError, load_meta
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, gpt2, stories_file) -> Path:
-    return prepare_text([stories_file], tmp_path_factory.mktemp("data"), progress=False)
-
-
-def test_token_files_decode_to_the_source_stories(prepared, gpt2, stories_file):
-    stories = expected_stories(stories_file.read_bytes(), keep_unterminated=False)
-    train = [s for i, s in enumerate(stories) if i % 10 != 9]
-    val = [s for i, s in enumerate(stories) if i % 10 == 9]
-    assert gpt2.decode(tokens_of(prepared / "train.bin").tolist()) == "".join(
+def test_token_files_decode_to_the_source_stories(data_dir, gpt2, stories_file):
+    told = expected_stories(stories_file.read_bytes(), keep_unterminated=False)
+    train = [s for i, s in enumerate(told) if i % 10 != 9]
+    val = [s for i, s in enumerate(told) if i % 10 == 9]
+    assert gpt2.decode(tokens_of(data_dir / "train.bin").tolist()) == "".join(
         s + EOT for s in train)
-    assert gpt2.decode(tokens_of(prepared / "val.bin").tolist()) == "".join(s + EOT for s in val)
-    meta = load_meta(prepared)
+    assert gpt2.decode(tokens_of(data_dir / "val.bin").tolist()) == "".join(s + EOT for s in val)
+    meta = load_meta(data_dir)
     assert meta["train_tokens"] == sum(len(gpt2.encode_ordinary(s)) + 1 for s in train)
     assert meta["val_tokens"] == sum(len(gpt2.encode_ordinary(s)) + 1 for s in val)
     assert (meta["train_stories"], meta["val_stories"]) == (len(train), len(val))
     assert meta["tokenizer"] == "gpt2" and meta["eot_token"] == 50256
     assert meta["sources"][0]["sha256"] == hashlib.sha256(stories_file.read_bytes()).hexdigest()
-    assert prepared.name == "text-" + hashlib.sha256(
+    assert data_dir.name == "text-" + hashlib.sha256(
         hashlib.sha256(stories_file.read_bytes()).digest()).hexdigest()[:12]
 
 
-def test_small_chunks_give_identical_tokens(prepared, tmp_path, monkeypatch, stories_file):
-    monkeypatch.setattr(pretokenize, "CHUNK_BYTES", 20_011)  # ~100 chunk edges mid-story
+def test_small_chunks_give_identical_tokens(data_dir, tmp_path, monkeypatch, stories_file):
+    monkeypatch.setattr(stories, "CHUNK_BYTES", 20_011)  # ~100 chunk edges mid-story
     out = prepare_text([stories_file], tmp_path, progress=False)
     for split in ("train", "val"):
-        assert np.array_equal(tokens_of(out / f"{split}.bin"), tokens_of(prepared / f"{split}.bin"))
+        assert np.array_equal(tokens_of(out / f"{split}.bin"), tokens_of(data_dir / f"{split}.bin"))
 
 
 def test_blank_line_layout(tmp_path, gpt2, monkeypatch):
@@ -47,7 +41,7 @@ def test_blank_line_layout(tmp_path, gpt2, monkeypatch):
     path = tmp_path / "blank.txt"
     path.write_text(text)
     for chunk in (None, 5):  # whole file, then 5-byte chunks
-        monkeypatch.setattr(pretokenize, "CHUNK_BYTES", chunk or 8 << 20)
+        monkeypatch.setattr(stories, "CHUNK_BYTES", chunk or 8 << 20)
         out = pretokenize.prepare(tmp_path / f"out{chunk}", [path], val_fraction=0.5,
                                   progress=False)
         assert out["sources"][0]["layout"] == "blank-line"
@@ -104,7 +98,7 @@ def test_invalid_utf8_offset_in_a_later_chunk(tmp_path, gpt2, monkeypatch):
     good = b"A fine story.\n<|endoftext|>\n" * 50
     path = tmp_path / "late.txt"
     path.write_bytes(good + "Caf\u00e9 \u201cok\u201d\n".encode() + b"\xc3(\n<|endoftext|>\n")
-    monkeypatch.setattr(pretokenize, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(stories, "CHUNK_BYTES", 64)
     offset = path.read_bytes().index(b"\xc3(")
     with pytest.raises(DataError, match=f"late.txt: invalid UTF-8 at byte offset {offset:,}"):
         pretokenize.prepare(tmp_path / "out", [path], progress=False)

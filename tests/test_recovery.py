@@ -47,19 +47,13 @@ def garble(checkpoint: Path) -> None:
         path.write_bytes(rng.bytes(path.stat().st_size))
 
 
-@pytest.fixture(scope="module")
-def straight(data_dir, tmp_path_factory):
+@pytest.fixture
+def uninterrupted(config, straight) -> list[float]:
     """Losses of 8 uninterrupted steps: what every recovered run must reproduce."""
-    out = tmp_path_factory.mktemp("straight")
-    cfg = TrainConfig(preset="fsdp", model="minigpt-tiny", data=(str(data_dir),),
-                      out=str(out / "run"), steps=8, decay_steps=8, batch_size=8, seq_len=32,
-                      lr=3e-3, warmup_steps=2, eval_every=100, eval_batches=1, save_every=2,
-                      log_every=1)
-    train.train(MODEL, cfg, sample=False)
-    return losses(out / "run")
+    return straight(MODEL, dataclasses.replace(config, steps=8))
 
 
-def test_a_torn_last_metrics_line_does_not_block_resume(config, straight):
+def test_a_torn_last_metrics_line_does_not_block_resume(config, uninterrupted):
     train.train(MODEL, config, sample=False)
     metrics = Path(config.out) / "metrics.jsonl"
     with metrics.open("a") as f:
@@ -68,7 +62,7 @@ def test_a_torn_last_metrics_line_does_not_block_resume(config, straight):
         train.train(MODEL, dataclasses.replace(config, steps=8), resume=True, sample=False)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]  # all parse
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
-    assert losses(config.out) == straight
+    assert losses(config.out) == uninterrupted
 
 
 # A failed restore must not spill TensorStore's "Event loop is closed" tracebacks (one per array
@@ -77,7 +71,7 @@ QUIET = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarni
 
 
 @QUIET
-def test_resume_falls_back_past_a_garbled_latest_checkpoint(config, straight, capsys):
+def test_resume_falls_back_past_a_garbled_latest_checkpoint(config, uninterrupted, capsys):
     train.train(MODEL, config, sample=False)
     checkpoints = Path(config.out) / "checkpoints"
     garble(checkpoints / "6")
@@ -92,7 +86,7 @@ def test_resume_falls_back_past_a_garbled_latest_checkpoint(config, straight, ca
     set_aside = Path(config.out) / "damaged-checkpoints" / "6"
     assert files_digest(set_aside) == damaged
     assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [4, 6, 8]
-    assert losses(config.out) == straight  # steps 5..8 rerun exactly from step 4
+    assert losses(config.out) == uninterrupted  # steps 5..8 rerun exactly from step 4
 
 
 @QUIET
@@ -145,7 +139,7 @@ def test_reads_that_report_before_the_failure_reaches_us_stay_quiet(config, monk
     assert [str(u.exc_value) for u in reported] == ["something else"]  # only the noise dropped
 
 
-def test_a_save_interrupted_mid_write_is_never_restored(config, straight, capsys):
+def test_a_save_interrupted_mid_write_is_never_restored(config, uninterrupted, capsys):
     train.train(MODEL, dataclasses.replace(config, steps=4), sample=False)
     checkpoints = Path(config.out) / "checkpoints"
     leftover = checkpoints / f"6{TEMPORARY_MARK}1700000000"
@@ -155,7 +149,7 @@ def test_a_save_interrupted_mid_write_is_never_restored(config, straight, capsys
     out = capsys.readouterr().out
     assert f"removed {leftover}: an incomplete checkpoint" in out
     assert "at step 4" in out and not leftover.exists()
-    assert losses(config.out) == straight
+    assert losses(config.out) == uninterrupted
 
 
 def test_a_diverging_run_stops_at_once_and_keeps_its_last_good_checkpoint(config, capsys):

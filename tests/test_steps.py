@@ -1,4 +1,5 @@
-"""The compiled steps: one train step agrees across every preset; accumulation; schedule; loss."""
+"""The compiled steps: one train step agrees across every preset; accumulation; the loss;
+weight decay by parameter role."""
 
 import dataclasses
 
@@ -6,14 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_batch
 from flax import nnx
 
-from minigpt import sharding, steps
+from minigpt import schedule, sharding, steps
 from minigpt.config import TrainConfig
 from minigpt.models import build_model, get_config
 
 TINY = get_config("minigpt-tiny")
 TRAIN = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3)
+RATES = schedule.lr_schedule(TRAIN)
 
 
 def build(cfg=TINY, train=TRAIN):
@@ -21,9 +24,8 @@ def build(cfg=TINY, train=TRAIN):
     return model, nnx.Optimizer(model, steps.make_optimizer(train), wrt=nnx.Param)
 
 
-def random_batch(batch=16, seq=TINY.context_len, seed=0):
-    tokens = np.random.default_rng(seed).integers(0, TINY.vocab_size, (batch, seq + 1))
-    return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+def batch_of(batch: int, seq: int, seed: int = 0) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in random_batch(TINY.vocab_size, batch, seq, seed).items()}
 
 
 def params_of(model):
@@ -41,9 +43,8 @@ def reference(model_name: str):
         cfg = dataclasses.replace(get_config(model_name), dropout=0.1)
         model, optimizer = build(cfg)
         before = params_of(model)
-        batch = {k: jnp.asarray(v) for k, v in random_batch(seq=32).items()}
-        metrics = steps.train_step(model, optimizer, batch, jax.random.key(7),
-                                   schedule=steps.lr_schedule(TRAIN))
+        batch = batch_of(16, 32)
+        metrics = steps.train_step(model, optimizer, batch, jax.random.key(7), RATES)
         _references[model_name] = ({k: float(v) for k, v in metrics.items()}, before,
                                    params_of(model))
     return _references[model_name]
@@ -70,9 +71,9 @@ def test_one_step_is_the_same_under_every_preset(model_name, name):
     mesh = sharding.make_mesh(preset)
     model, optimizer = sharding.create_sharded(lambda: build(cfg), preset, mesh)
     with sharding.use_preset(preset, mesh):
-        batch = sharding.put_batch(random_batch(seq=32), sharding.batch_sharding(preset, mesh))
-        metrics = steps.train_step(model, optimizer, batch, jax.random.key(7),
-                                   schedule=steps.lr_schedule(TRAIN))
+        batch = sharding.put_batch(random_batch(TINY.vocab_size, 16, 32),
+                                   sharding.batch_sharding(preset, mesh))
+        metrics = steps.train_step(model, optimizer, batch, jax.random.key(7), RATES)
     assert float(metrics["loss"]) == pytest.approx(ref_metrics["loss"], rel=1e-6)
     assert float(metrics["grad_norm"]) == pytest.approx(ref_metrics["grad_norm"], rel=1e-5)
     assert float(metrics["lr"]) == pytest.approx(TRAIN.lr / TRAIN.warmup_steps)
@@ -97,11 +98,12 @@ def test_one_step_is_the_same_under_every_preset(model_name, name):
 def test_gradient_accumulation_equals_one_larger_batch():
     # With dropout on: every row draws its masks from its own key, wherever it is computed.
     cfg = dataclasses.replace(TINY, dropout=0.1)
-    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=8, seq=32, seed=3).items()}
+    batch = batch_of(8, 32, 3)
     results = []
     for micro in (1, 4):
         model, optimizer = build(cfg)
-        metrics = steps.train_step(model, optimizer, batch, jax.random.key(0), microbatches=micro)
+        metrics = steps.train_step(model, optimizer, batch, jax.random.key(0), RATES,
+                                   microbatches=micro)
         results.append((float(metrics["loss"]), float(metrics["grad_norm"]), params_of(model)))
     (loss1, norm1, p1), (loss4, norm4, p4) = results
     assert loss4 == pytest.approx(loss1, rel=1e-6)
@@ -113,30 +115,20 @@ def test_gradient_accumulation_equals_one_larger_batch():
 
 
 def test_train_step_lowers_the_loss_on_a_repeated_batch():
-    model, optimizer = build(dataclasses.replace(TINY, dropout=0.0),
-                             TrainConfig(lr=3e-3, warmup_steps=0))
-    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
-    losses = [float(steps.train_step(model, optimizer, batch, jax.random.key(0))["loss"])
+    cfg = TrainConfig(lr=3e-3, warmup_steps=0)
+    model, optimizer = build(dataclasses.replace(TINY, dropout=0.0), cfg)
+    batch = batch_of(4, 32)
+    rates = schedule.lr_schedule(cfg)
+    losses = [float(steps.train_step(model, optimizer, batch, jax.random.key(0), rates)["loss"])
               for _ in range(5)]
     assert all(b < a for a, b in zip(losses, losses[1:]))
     assert losses[-1] < losses[0] - 1.0
     assert int(optimizer.step[...]) == 5
 
 
-def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
-    schedule = steps.lr_schedule(cfg)
-    assert float(schedule(0)) == pytest.approx(1e-4)
-    assert float(schedule(9)) == pytest.approx(1e-3)
-    assert float(schedule(10)) == pytest.approx(1e-3)
-    assert float(schedule(60)) == pytest.approx(0.55e-3)
-    assert float(schedule(110)) == pytest.approx(1e-4)
-    assert float(schedule(500)) == pytest.approx(1e-4)
-
-
 def test_eval_step_is_deterministic_and_matches_the_loss():
     model, _ = build()
-    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=2, seq=16).items()}
+    batch = batch_of(2, 16)
     a, b = float(steps.eval_step(model, batch)), float(steps.eval_step(model, batch))
     assert a == b == pytest.approx(float(steps.loss_fn(model, batch)), rel=1e-6)
     assert a == pytest.approx(np.log(TINY.vocab_size), rel=0.05)
@@ -144,11 +136,11 @@ def test_eval_step_is_deterministic_and_matches_the_loss():
 
 @pytest.mark.slow
 def test_rematerialisation_changes_memory_not_numbers():
-    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
+    batch = batch_of(4, 32)
     results = []
     for remat in (False, True):
         model, optimizer = build(dataclasses.replace(TINY, remat=remat))
-        metrics = steps.train_step(model, optimizer, batch, jax.random.key(0))
+        metrics = steps.train_step(model, optimizer, batch, jax.random.key(0), RATES)
         results.append((float(metrics["loss"]), params_of(model)))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
     for key, value in results[0][1].items():
@@ -157,11 +149,12 @@ def test_rematerialisation_changes_memory_not_numbers():
 
 @pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_parameters_and_close_loss():
-    batch = {k: jnp.asarray(v) for k, v in random_batch(batch=4, seq=32).items()}
+    batch = batch_of(4, 32)
     losses = {}
     for dtype in ("float32", "bfloat16"):
         model, optimizer = build(dataclasses.replace(TINY, dtype=dtype, dropout=0.0))
-        losses[dtype] = float(steps.train_step(model, optimizer, batch, jax.random.key(0))["loss"])
+        losses[dtype] = float(steps.train_step(model, optimizer, batch, jax.random.key(0),
+                                               RATES)["loss"])
         assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
         assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(nnx.state(optimizer))
                    if jnp.issubdtype(v.dtype, jnp.floating))
@@ -188,11 +181,13 @@ DECAYED = {
 @pytest.mark.parametrize("model_name", sorted(DECAYED))
 def test_weight_decay_reaches_exactly_the_weight_matrices_and_tables(model_name, scan):
     cfg = dataclasses.replace(get_config(model_name), scan_layers=scan)
-    model, optimizer = build(cfg, TrainConfig(weight_decay=0.5, lr=0.1, warmup_steps=0))
+    train_cfg = TrainConfig(weight_decay=0.5, lr=0.1, warmup_steps=0)
+    model, optimizer = build(cfg, train_cfg)
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(jnp.ones_like, params))  # so that any decay shows
     # Zero gradients: Adam moves nothing, so whatever changes was decayed.
-    nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, jax.tree.map(jnp.zeros_like, params))
+    nnx.jit(lambda m, o, g, r: o.update(m, g, schedule=r))(
+        model, optimizer, jax.tree.map(jnp.zeros_like, params), schedule.lr_schedule(train_cfg))
     changed = sorted(".".join(map(str, path)) for path, v in nnx.to_flat_state(
         nnx.state(model, nnx.Param)) if not np.all(np.asarray(v.get_value()) == 1.0))
     top, per_layer = DECAYED[model_name]

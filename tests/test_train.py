@@ -4,27 +4,22 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import losses
+from conftest import losses, tensorboard_scalars
 
-from minigpt import generate, steps, train
+from minigpt import generate, metrics, schedule, steps, train
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
-from minigpt.tokenizer import TokenizerError, load_tokenizer
 
 MODEL = get_config("minigpt-tiny")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def tokenizer_available():
-    try:
-        load_tokenizer()
-    except TokenizerError as e:
-        pytest.skip(f"the trainer tests need the GPT-2 tokenizer: {e}")
+pytestmark = pytest.mark.usefixtures("gpt2")  # skipped, saying why, where it cannot load
 
 
 @pytest.fixture
@@ -40,7 +35,7 @@ def test_a_run_writes_its_directory_and_honest_metrics(config):
     summary = train.train(MODEL, config, sample=False)
     out = Path(config.out)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "loss.png",
-                                                     "metrics.jsonl"]
+                                                     "metrics.jsonl", "tensorboard"]
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3, 6]
     saved = json.loads((out / "config.json").read_text())
     assert saved["model"] == dataclasses.asdict(MODEL) and saved["preset"] == "fsdp"
@@ -48,10 +43,10 @@ def test_a_run_writes_its_directory_and_honest_metrics(config):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
-    schedule = steps.lr_schedule(config)
+    rates = schedule.lr_schedule(config)
     for r in train_records:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
-        assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1)))
+        assert r["lr"] == pytest.approx(float(rates(r["step"] - 1)))
     assert "tokens_per_s" not in train_records[0]  # the first step includes compilation
     for r in train_records[1:]:
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
@@ -61,6 +56,22 @@ def test_a_run_writes_its_directory_and_honest_metrics(config):
         assert r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"]))
     assert summary["eval_loss"] == evals[-1]["eval_loss"]
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # TensorBoard shows the same numbers: every metric at every step it was logged at.
+    board = tensorboard_scalars(out / "tensorboard")
+    for key, tag in metrics.TENSORBOARD_TAGS.items():
+        logged = [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records if key in r]
+        assert board[tag] == logged, tag
+
+
+def test_a_resumed_run_continues_its_tensorboard_curves_without_repeating_steps(config):
+    config = dataclasses.replace(config, save_every=4, eval_every=100)
+    train.train(MODEL, config, sample=False)
+    checkpoints = Path(config.out) / "checkpoints"
+    shutil.rmtree(checkpoints / "6")  # killed after step 6 was logged, before it was saved
+    train.train(MODEL, config, resume=True, sample=False)
+    board = tensorboard_scalars(Path(config.out) / "tensorboard")
+    assert [step for step, _ in board["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert [value for _, value in board["train/loss"]] == pytest.approx(losses(config.out))
 
 
 def test_loss_falls_on_tinystories(config):
@@ -71,30 +82,24 @@ def test_loss_falls_on_tinystories(config):
     assert np.mean(seen[-5:]) < np.mean(seen[:5]) - 2.0
 
 
-def test_resume_continues_exactly(config, tmp_path):
-    train.train(MODEL, config, sample=False)
-    straight = losses(tmp_path / "run")
+def test_resume_continues_exactly(config, tmp_path, straight):
     half = dataclasses.replace(config, out=str(tmp_path / "halves"), steps=3)
     train.train(MODEL, half, sample=False)
     summary = train.train(MODEL, dataclasses.replace(half, steps=6), resume=True, sample=False)
     assert summary["step"] == 6
-    assert losses(tmp_path / "halves") == straight  # bitwise: same preset, same machine
+    assert losses(tmp_path / "halves") == straight(MODEL, config)  # bitwise: same preset
 
 
 @pytest.mark.slow  # tests/test_checkpoint.py restores a checkpoint into another preset's layout
-def test_resume_under_another_preset(config, tmp_path):
-    train.train(MODEL, config, sample=False)
-    straight = losses(tmp_path / "run")
+def test_resume_under_another_preset(config, tmp_path, straight):
     half = dataclasses.replace(config, out=str(tmp_path / "moved"), steps=3)
     train.train(MODEL, half, sample=False)
     train.train(MODEL, dataclasses.replace(half, steps=6, preset="dp_tp"), resume=True,
                 sample=False)
-    np.testing.assert_allclose(losses(tmp_path / "moved"), straight, rtol=1e-5)
+    np.testing.assert_allclose(losses(tmp_path / "moved"), straight(MODEL, config), rtol=1e-5)
 
 
-def test_ctrl_c_saves_a_checkpoint_and_resume_matches(config, tmp_path, monkeypatch):
-    train.train(MODEL, config, sample=False)
-    straight = losses(tmp_path / "run")
+def test_ctrl_c_saves_a_checkpoint_and_resume_matches(config, tmp_path, monkeypatch, straight):
     calls = []
     real_step = steps.train_step
 
@@ -111,7 +116,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_matches(config, tmp_path, monkeypa
     assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["2"]
     monkeypatch.setattr(steps, "train_step", real_step)
     train.train(MODEL, interrupted, resume=True, sample=False)
-    assert losses(tmp_path / "stopped") == straight
+    assert losses(tmp_path / "stopped") == straight(MODEL, config)
 
 
 def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
@@ -122,7 +127,8 @@ def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
                        "keep_checkpoints=1", "--save-every", "1", "--profile-steps", "1:2"])
     assert code == 0
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["2"]  # keeps the last one
-    assert list((out / "profile").rglob("*.xplane.pb"))
+    # where TensorBoard's profile plugin looks: <logdir>/plugins/profile/<run>/*.xplane.pb
+    assert list((out / "tensorboard" / "plugins" / "profile").glob("*/*.xplane.pb"))
     printed = capsys.readouterr().out
     assert f"checkpoint: {out.absolute() / 'checkpoints' / '2'}" in printed
     assert "sample:\nOnce upon a time" in printed
@@ -140,7 +146,7 @@ def test_cli_trains_then_generate_tells_a_story(data_dir, tmp_path, capsys):
 def test_a_profile_range_past_the_last_step_still_closes_its_trace(config):
     config = dataclasses.replace(config, steps=2, profile_steps="1:50")
     assert train.train(MODEL, config, sample=False)["step"] == 2
-    assert list((Path(config.out) / "profile").rglob("*.xplane.pb"))
+    assert list((Path(config.out) / "tensorboard" / "plugins" / "profile").rglob("*.xplane.pb"))
 
 
 def test_cli_refuses_to_resume_with_another_model(data_dir, tmp_path, capsys, config):

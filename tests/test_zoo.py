@@ -34,10 +34,14 @@ def test_gpt2_ties_its_head_to_the_token_embedding():
     assert not any("output" in str(path) for path, _ in nnx.to_flat_state(nnx.state(model)))
 
 
-def test_llama_15m_is_about_15m_with_grouped_queries_and_no_biases():
+def test_llama_15m_has_its_hand_counted_parameters_grouped_queries_and_no_biases():
     cfg = get_config("llama-15m")
     model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
-    assert 14_000_000 < count_params(model, cfg) < 16_000_000
+    # Two 50257 x 128 tables (untied); per layer: query and output 128 x 128, key and value
+    # 128 x (4 heads x 16), SwiGLU 3 x 128 x 384, two RMSNorm scales; a final RMSNorm scale.
+    D, F, V, KH = 128, 384, 50257, 4 * 16
+    assert count_params(model, cfg) == 2 * V * D + 8 * (
+        2 * D * D + 2 * D * KH + 3 * D * F + 2 * D) + D == 14_440_832
     assert cfg.kv_heads < cfg.num_heads
     names = [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
     assert not [n for n in names if n.endswith("bias")]
@@ -52,12 +56,37 @@ def test_the_zoo_lists_every_config_with_its_size(capsys):
     assert "124,439,808" in out
 
 
-def test_attention_with_as_many_kv_heads_as_query_heads_is_multi_head_attention():
-    mha = dataclasses.replace(get_config("llama-tiny"), num_kv_heads=0)
-    gqa = dataclasses.replace(mha, num_kv_heads=mha.num_heads)
-    a, b = build_model(mha, rngs=nnx.Rngs(3)), build_model(gqa, rngs=nnx.Rngs(3))
-    tokens = jnp.arange(40, dtype=jnp.int32)[None]
-    np.testing.assert_array_equal(np.asarray(a(tokens)), np.asarray(b(tokens)))
+def test_grouped_query_attention_equals_multi_head_attention_with_repeated_kv_heads():
+    """llama-tiny's first attention layer (16 query heads sharing 8 key/value heads, rotary
+    positions) against its weights written out in NumPy as plain multi-head attention: each
+    key/value head repeated for the query heads of its group (query head n uses head n // 2)."""
+    cfg = get_config("llama-tiny")
+    model = build_model(cfg, rngs=nnx.Rngs(3))
+    graphdef, stacked = nnx.split(model.blocks.layers)
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stacked))  # layer 0
+    w = {name: np.asarray(getattr(block.attention, name).kernel[...], np.float64)
+         for name in ("query", "key", "value", "out")}  # [D, N|K, H]; out [N, H, D]
+    B, T, N, K, H = 2, 12, cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    x = np.random.default_rng(0).normal(size=(B, T, cfg.embed_dim))
+
+    def rotate(v):  # rotary positions on feature pairs (i, i + H/2)
+        half = H // 2
+        angle = np.arange(T)[:, None] * cfg.rope_theta ** (-np.arange(half) / half)  # [T, H/2]
+        cos, sin = np.cos(angle)[None, :, None], np.sin(angle)[None, :, None]
+        a, b = v[..., :half], v[..., half:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    q = rotate(np.einsum("btd,dnh->btnh", x, w["query"]))
+    k = np.repeat(rotate(np.einsum("btd,dkh->btkh", x, w["key"])), N // K, axis=2)
+    v = np.repeat(np.einsum("btd,dkh->btkh", x, w["value"]), N // K, axis=2)
+    scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = np.einsum("btnh,nhd->btd", np.einsum("bnts,bsnh->btnh", probs, v), w["out"])
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    got, _ = block.attention(jnp.asarray(x, jnp.float32), positions)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_rotary_embedding_keeps_norms_and_scores_depend_on_relative_position():

@@ -2,7 +2,9 @@
 
 Every parameter is created by `param`, which records the logical name of each dimension
 ("embed", "mlp", ...). Which mesh axis a name is split over is the preset's business
-(`minigpt.sharding`); nothing here knows about meshes or devices.
+(`minigpt.sharding`); nothing here knows about meshes or devices. How to run (which kernels,
+how a pipeline cuts the batch) is read from the context `minigpt.sharding` keeps, where the
+layers need it; a model's entry points put its own kernel choice there.
 
 Dimension letters used in shapes and einsum strings:
   B batch, T query positions, S key/value positions, D embed, N query heads, K key/value heads,
@@ -11,6 +13,7 @@ Dimension letters used in shapes and einsum strings:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -20,7 +23,6 @@ from flax import nnx
 
 from minigpt import kernels, pipeline, sharding
 from minigpt.config import ModelConfig
-from minigpt.kernels import ReferenceKernels
 from minigpt.sharding import constrain
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -84,9 +86,8 @@ class Dense(nnx.Module):
     """
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
-                 init: Initializer, use_bias: bool, dtype: str, ops: ReferenceKernels,
-                 rngs: nnx.Rngs):
-        self.spec, self.dtype, self.ops = spec, jnp.dtype(dtype), ops
+                 init: Initializer, use_bias: bool, dtype: str, rngs: nnx.Rngs):
+        self.spec, self.dtype = spec, jnp.dtype(dtype)
         x_letters, k_letters = spec.split("->")[0].split(",")
         ins = [i for i, letter in enumerate(k_letters) if letter in x_letters]
         outs = [i for i, letter in enumerate(k_letters) if letter not in x_letters]
@@ -109,8 +110,8 @@ class Dense(nnx.Module):
         bias = self.bias[...].astype(self.dtype)
         if bias.ndim > 1:  # [N, H] head biases: treat as one flat feature axis
             flat = y.reshape(*y.shape[:-bias.ndim], -1)
-            return self.ops.add_bias(flat, bias.reshape(-1)).reshape(y.shape)
-        return self.ops.add_bias(y, bias)
+            return kernels.active().add_bias(flat, bias.reshape(-1)).reshape(y.shape)
+        return kernels.active().add_bias(y, bias)
 
 
 class Embedding(nnx.Module):
@@ -135,7 +136,6 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, center: bool = True, rngs: nnx.Rngs):
         self.eps, self.dtype, self.center = cfg.norm_eps, jnp.dtype(cfg.dtype), center
-        self.ops = kernels.get(cfg.kernels)
         self.scale = param(rngs, nnx.initializers.ones, (cfg.embed_dim,), ("embed",))
         self.bias = (param(rngs, nnx.initializers.zeros, (cfg.embed_dim,), ("embed",))
                      if center else None)
@@ -143,7 +143,7 @@ class LayerNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         # Statistics in float32 whatever the compute dtype: bf16 variances lose too much.
         bias = None if self.bias is None else self.bias[...]
-        y = self.ops.normalize(x, self.scale[...], bias, self.eps, self.center)
+        y = kernels.active().normalize(x, self.scale[...], bias, self.eps, self.center)
         return y.astype(self.dtype)
 
 
@@ -176,8 +176,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, use_bias: bool, rope: bool, init: Initializer,
                  out_init: Initializer, rngs: nnx.Rngs):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
-        self.ops = kernels.get(cfg.kernels)
-        common = dict(use_bias=use_bias, dtype=cfg.dtype, ops=self.ops, rngs=rngs)
+        common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
         self.query = Dense("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "kv"), init=init,
                            **common)
         self.key = Dense("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "kv"), init=init,
@@ -195,7 +194,7 @@ class Attention(nnx.Module):
             q = apply_rope(q, positions, self.rope_theta)
             k = apply_rope(k, positions, self.rope_theta)
         if kv is None:
-            y = self.ops.causal_attention(q, k, v)  # [B, T, N, H]
+            y = kernels.active().causal_attention(q, k, v)  # [B, T, N, H]
         else:
             # Each row writes at its own offset; a key is visible when its position is at most
             # the query's, which also hides stale entries beyond a row's current length.
@@ -215,8 +214,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, activation: Callable[[jax.Array], jax.Array],
                  use_bias: bool, init: Initializer, out_init: Initializer, rngs: nnx.Rngs):
         D, F = cfg.embed_dim, cfg.mlp_dim
-        common = dict(use_bias=use_bias, dtype=cfg.dtype, ops=kernels.get(cfg.kernels),
-                      rngs=rngs)
+        common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
         self.up = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=init, **common)
         self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
         self.activation = activation
@@ -241,10 +239,10 @@ class BlockStack(nnx.Module):
     `scan_layers` runs the layers with `lax.scan` (the compiled program holds one block however
     deep the model is), otherwise as an unrolled loop over the stack's slices; under a preset
     that splits `layers` over several devices (a pipeline preset) training runs the stack as a
-    GPipe pipeline (`minigpt.pipeline`). A block is called as `block(x, positions, kv, keys)
-    -> (x, kv)`; layer i draws its dropout masks from every row's key folded with i. The stack
-    owns the layout of the key/value cache ([L, B, S, K, H] keys and values), so callers treat
-    the cache as opaque.
+    GPipe pipeline (`minigpt.pipeline`) in the microbatches the context's pipeline settings
+    say. A block is called as `block(x, positions, kv, keys) -> (x, kv)`; layer i draws its
+    dropout masks from every row's key folded with i. The stack owns the layout of the
+    key/value cache ([L, B, S, K, H] keys and values), so callers treat the cache as opaque.
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], cfg: ModelConfig, *,
@@ -258,8 +256,7 @@ class BlockStack(nnx.Module):
 
         self.layers = stacked(rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None, *,
-                 pipeline_microbatches: int = 0):
+    def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None):
         graphdef, params = nnx.split(self.layers)
         stages = sharding.active_ways("layers")
         if cache is not None or stages == 1:
@@ -271,7 +268,8 @@ class BlockStack(nnx.Module):
             return self._run(graphdef, params, x, positions, None, keys,
                              first_layer=index * per_stage)[0]
 
-        microbatches = pipeline_microbatches or pipeline.default_microbatches(stages)
+        microbatches = (sharding.active().pipeline.microbatches
+                        or sharding.default_microbatches(stages))
         return pipeline.gpipe(stage, params, x, (positions, keys),
                               microbatches=microbatches), None
 
@@ -306,6 +304,17 @@ class BlockStack(nnx.Module):
                      for _ in range(2))
 
 
+def _with_own_kernels(method):
+    """Run a model's entry point with the model's own kernel choice (`ModelConfig.kernels`) in
+    the context, where its layers read it: resolved once per model, not in every layer."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with sharding.running(kernels=self.config.kernels):
+            return method(self, *args, **kwargs)
+
+    return wrapped
+
+
 class DecoderLM(nnx.Module):
     """What every model in the zoo shares: token ids in, next-token logits out.
 
@@ -331,14 +340,14 @@ class DecoderLM(nnx.Module):
         """
         return self.logits(self.features(tokens, dropout_key=dropout_key))
 
-    def features(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
-                 pipeline_microbatches: int = 0) -> jax.Array:
+    @_with_own_kernels
+    def features(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """The last layer's output [B, T, D], before the output head (the loss fuses the head
         with the softmax, so training never holds all logits at once).
 
         `dropout_key` is one key, or one key per row [B] (a train step gives each row of the
         global batch its own, so microbatches and pipeline stages draw the masks the whole
-        batch would). `pipeline_microbatches` is M for a pipeline preset (0: 2 per stage).
+        batch would).
         """
         B, T = tokens.shape
         keys = dropout_key
@@ -348,10 +357,10 @@ class DecoderLM(nnx.Module):
         # The embedding's dropout keys come after the layers' 0..L-1.
         embed_keys = None if keys is None else fold_keys(keys, self.config.num_layers)
         x = constrain(self.embed(tokens, positions, embed_keys), ACTIVATION_AXES)  # [B, T, D]
-        x, _ = self.blocks(x, positions, None, keys,
-                           pipeline_microbatches=pipeline_microbatches)
+        x, _ = self.blocks(x, positions, None, keys)
         return x
 
+    @_with_own_kernels
     def logits(self, x: jax.Array) -> jax.Array:
         """Output head: features [..., D] to float32 logits [..., V], vocabulary padding at -inf."""
         logits = self.head(x).astype(jnp.float32)
@@ -359,6 +368,7 @@ class DecoderLM(nnx.Module):
             logits = constrain(logits, ("batch", "seq", "vocab"))
         return mask_padded_vocab(logits, self.config.vocab_size)
 
+    @_with_own_kernels
     def decode(self, tokens: jax.Array, positions: jax.Array, cache):
         """Run tokens [B, T] at positions [B, T] against a cache; returns (logits, cache).
 

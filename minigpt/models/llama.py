@@ -13,7 +13,6 @@ import math
 import jax
 from flax import nnx
 
-from minigpt import kernels
 from minigpt.config import ModelConfig
 from minigpt.models.layers import (
     Attention,
@@ -32,7 +31,7 @@ normal = nnx.initializers.normal(0.02)
 class SwiGLU(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, out_init, rngs: nnx.Rngs):
         D, F = cfg.embed_dim, cfg.mlp_dim
-        common = dict(use_bias=False, dtype=cfg.dtype, ops=kernels.get(cfg.kernels), rngs=rngs)
+        common = dict(use_bias=False, dtype=cfg.dtype, rngs=rngs)
         self.gate = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
         self.up = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
         self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
@@ -68,7 +67,7 @@ class Llama(DecoderLM):
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim),
                             ("vocab", "embed"), init=normal, use_bias=False, dtype=cfg.dtype,
-                            ops=kernels.get(cfg.kernels), rngs=rngs)
+                            rngs=rngs)
 
     def embed(self, tokens, positions, keys=None):
         return self.tokens(tokens)  # [B, T, D]; positions enter through the rotary embedding

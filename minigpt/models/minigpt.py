@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from minigpt import kernels
 from minigpt.config import ModelConfig
 from minigpt.models.layers import (
     MLP,
@@ -58,8 +57,7 @@ class MiniGPT(DecoderLM):
         # [V, D] like an embedding table: the faster layout for the matmuls of the fused loss,
         # which applies the head to [rows, D] chunks as well as to [B, T, D].
         self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"),
-                            init=xavier, use_bias=True, dtype=cfg.dtype,
-                            ops=kernels.get(cfg.kernels), rngs=rngs)
+                            init=xavier, use_bias=True, dtype=cfg.dtype, rngs=rngs)
 
     def embed(self, tokens, positions, keys=None):
         # The tutorial applies no dropout to the embeddings.

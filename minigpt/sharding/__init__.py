@@ -8,7 +8,13 @@ compiled function directly on the devices that own it), places batches, and desc
 device holds. It depends on nothing of ours but the config; the explainer that prints a preset as a
 table (`python -m minigpt.sharding --model minigpt --preset fsdp`) is `minigpt.explain`.
 
-A preset that cannot apply is refused with a `PresetError` before anything is compiled.
+The *context* model code runs in is entered here, once, at the top (`use_preset`): the mesh, the
+preset's rules, and how to run what the rules lay out (the pipeline's microbatches, which kernels).
+Models read it where they need it (`active()`) and never take these settings as arguments; the
+compiled steps are keyed on it (`jit`), so other settings compile anew.
+
+A preset that cannot apply, or a batch it cannot split, is refused with a `PresetError` (or a
+`ConfigError`) before anything is compiled.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -24,7 +32,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt.config import read_named_toml
+from minigpt.config import ConfigError, read_named_toml
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
 
@@ -141,23 +149,93 @@ def make_mesh(preset: Preset, devices: Sequence[Any] | None = None):
     return jax.make_mesh(shape, preset.mesh_axes, axis_types=auto, devices=devices)
 
 
-_active_rules: contextvars.ContextVar[Rules] = contextvars.ContextVar("rules", default=())
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How a pipeline preset runs the block stack: settings of the program, never of the numbers
+    (every choice computes the same losses and gradients)."""
+
+    microbatches: int = 0  # M: pieces each batch goes through the stages in; 0: two per stage
+
+
+def default_microbatches(stages: int) -> int:
+    """Pipeline microbatches when none are configured: 2 per stage (a GPipe bubble under 1/3)."""
+    return 2 * stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What model code reads while it is traced: the preset's rules and how to run."""
+
+    rules: Rules = ()
+    pipeline: Pipeline = Pipeline()
+    kernels: str = "auto"  # minigpt.kernels: "auto", "reference" or "cpu"
+
+
+_DEFAULT = Context()
+_active: contextvars.ContextVar[Context] = contextvars.ContextVar("minigpt", default=_DEFAULT)
+
+
+def active() -> Context:
+    """The context model code runs in (outside `use_preset`: no rules, defaults)."""
+    return _active.get()
 
 
 @contextlib.contextmanager
-def use_preset(preset: Preset, mesh) -> Iterator[None]:
-    """Enter the mesh and the preset's logical-axis rules: the context for all model code.
+def running(**changes: Any) -> Iterator[Context]:
+    """Change some settings of the active context (`kernels=...`, `pipeline=...`) inside."""
+    token = _active.set(dataclasses.replace(_active.get(), **changes))
+    try:
+        yield _active.get()
+    finally:
+        _active.reset(token)
+
+
+@contextlib.contextmanager
+def use_preset(preset: Preset, mesh, pipeline: Pipeline = Pipeline()) -> Iterator[None]:
+    """Enter the mesh, the preset's logical-axis rules and how to run: the context for all model
+    code.
 
     The rules live in our own context rather than `nnx.logical_axis_rules`, because Flax maps each
     logical name independently and would turn an [embed, mlp] kernel under `fsdp` into the invalid
     spec ('fsdp', 'fsdp'); `logical_to_spec` resolves such clashes.
     """
-    token = _active_rules.set(preset.rules)
-    try:
-        with jax.set_mesh(mesh):
-            yield
-    finally:
-        _active_rules.reset(token)
+    with running(rules=preset.rules, pipeline=pipeline), jax.set_mesh(mesh):
+        yield
+
+
+class _ContextJit:
+    """A function compiled with `nnx.jit` once per context as well as per argument structure."""
+
+    def __init__(self, fn: Callable, static_argnames: Sequence[str], **jit_kwargs: Any):
+        def traced(*args, _context: Context, **kwargs):
+            with running(**{f.name: getattr(_context, f.name)
+                            for f in dataclasses.fields(Context)}):
+                return fn(*args, **kwargs)
+
+        # fn's own signature plus the context, so arguments are still named as fn names them
+        signature = inspect.signature(fn)
+        traced.__signature__ = signature.replace(parameters=[
+            *signature.parameters.values(),
+            inspect.Parameter("_context", inspect.Parameter.KEYWORD_ONLY)])
+        traced.__name__, traced.__qualname__ = fn.__name__, fn.__qualname__
+        self._jitted = nnx.jit(traced, static_argnames=(*static_argnames, "_context"),
+                               **jit_kwargs)
+        self.__doc__, self.__name__, self.__wrapped__ = fn.__doc__, fn.__name__, fn
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted(*args, _context=active(), **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*args, _context=active(), **kwargs)
+
+
+def jit(fn: Callable | None = None, *, static_argnames: Sequence[str] = (), **jit_kwargs: Any):
+    """`nnx.jit` keyed on the active context too: model code reads the context while it is
+    traced, so a call under other rules or other pipeline settings must compile anew rather than
+    reuse a program traced under the old ones. Used as `@sharding.jit` or `@sharding.jit(...)`."""
+    if fn is None:
+        return functools.partial(jit, static_argnames=static_argnames, **jit_kwargs)
+    return _ContextJit(fn, static_argnames, **jit_kwargs)
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> jax.P:
@@ -168,7 +246,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> j
     an [embed, mlp] kernel is split by embed, an [mlp] bias by mlp, and a [batch, seq, embed]
     activation by batch.
     """
-    table = dict(_active_rules.get() if rules is None else rules)
+    table = dict(active().rules if rules is None else rules)
     used: set[str] = set()
     spec = []
     for name in axes:
@@ -182,7 +260,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> j
 
 def constrain(x, axes: Sequence[str | None]):
     """Ask the compiler to lay out activation `x` by logical axes; a no-op outside a preset."""
-    if jax.sharding.get_abstract_mesh().empty or not _active_rules.get():
+    if jax.sharding.get_abstract_mesh().empty or not active().rules:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
 
@@ -255,6 +333,54 @@ def batch_divisor(preset: Preset, mesh) -> int:
     return ways(mesh, preset.spec(("batch",))[0])
 
 
+def pipeline_axis(rules: Rules | None = None) -> str | None:
+    """The mesh axis the rules (default: the active ones) split `layers` over, the stage axis of a
+    pipeline, or None. A pipeline runs over one axis; `layers` split over several is refused."""
+    axes = mesh_axes_in(dict(active().rules if rules is None else rules).get("layers"))
+    if len(axes) > 1:
+        raise PresetError(f"a pipeline needs `layers` on one mesh axis, not {axes}")
+    return axes[0] if axes else None
+
+
+def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
+                 batch_size: int | None = None, accumulation: int = 1,
+                 pipeline: Pipeline = Pipeline()) -> Pipeline:
+    """Refuse batch and pipeline settings the preset cannot split evenly, before anything
+    compiles (the trainer and the explainer both ask); return `pipeline` with its microbatches
+    resolved (0 where the preset has no pipeline). Without a batch size only the layers are
+    checked."""
+    try:
+        axis = pipeline_axis(preset.rules)
+    except PresetError as error:
+        raise PresetError(f"preset {preset.name!r}: {error}") from None
+    stages = mesh.shape[axis] if axis else 1
+    if stages > 1 and num_layers % stages:
+        raise PresetError(
+            f"preset {preset.name!r} splits the layers into {stages} pipeline stages, but model "
+            f"{model!r} has {num_layers} layer(s), which {stages} stages cannot share evenly: "
+            f"choose a model whose layer count divides by {stages}, or another preset")
+    pieces = (pipeline.microbatches or default_microbatches(stages)) if stages > 1 else 0
+    pipeline = dataclasses.replace(pipeline, microbatches=pieces)
+    if batch_size is None:
+        return pipeline
+    per_micro = batch_size // accumulation
+    if pieces and per_micro % pieces:
+        raise ConfigError(
+            f"train.pipeline_microbatches {pieces} does not divide the {per_micro} sequences of "
+            f"each batch the pipeline runs (batch size {batch_size} / {accumulation} "
+            f"accumulation microbatch(es)): choose a divisor")
+    split = batch_divisor(preset, mesh)
+    per_piece = per_micro // max(pieces, 1)
+    if per_piece % split:
+        pieces_text = f" and {pieces} pipeline microbatches" if pieces else ""
+        raise ConfigError(
+            f"batch size {batch_size} with {accumulation} microbatch(es){pieces_text} gives "
+            f"{per_piece} sequences per piece, which preset {preset.name!r} must split {split} "
+            f"ways over its batch axes {preset.mesh_axes_of('batch')}: choose a batch size that "
+            f"is a multiple of {split * accumulation * max(pieces, 1)}")
+    return pipeline
+
+
 def batch_share(preset: Preset, mesh, batch_size: int) -> tuple[int, int]:
     """Which rows of each global batch this process loads, as (share index, share count): its
     devices' rows. Processes that differ only along an axis the batch is not split over (the
@@ -274,7 +400,7 @@ def batch_share(preset: Preset, mesh, batch_size: int) -> tuple[int, int]:
 def active_ways(logical: str) -> int:
     """Into how many pieces the active preset splits a logical axis (1 outside a preset)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not _active_rules.get():
+    if mesh.empty or not active().rules:
         return 1
     return ways(mesh, logical_to_spec((logical,))[0])
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minigpt.files import replacing, write_text_atomic
-from minigpt.tokens import DataError, load_meta, open_split, token_file_problem, write_meta
+from minigpt.token_files import DataError, load_meta, open_split, token_file_problem, write_meta
 
 META = {"dtype": "uint16", "tokenizer": "gpt2", "train_tokens": 10, "val_tokens": 4}
 

@@ -1,0 +1,148 @@
+"""The training command line (`minigpt.cli`): a resumed run accepts the command line that started
+it, refuses real differences by name, and extends a finished run as the README says."""
+
+import dataclasses
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import losses
+
+from minigpt import cli, steps, train
+from minigpt.config import ConfigError, TrainConfig, save_run_config
+from minigpt.models import get_config
+
+pytestmark = pytest.mark.usefixtures("gpt2")
+
+
+def configs(*argv):
+    return cli.resolve_configs(cli.build_parser().parse_args(list(argv)))
+
+
+PP_COMMAND = ["--preset", "pp", "--model", "minigpt-tiny", "--set", "model.num_layers=8",
+              "--set", "model.dropout=0"]
+
+
+def saved_run(path: Path, *argv: str, **record) -> Path:
+    """A run directory whose config.json is what `argv` starts (no training needed to check
+    how a resume resolves)."""
+    model, cfg = configs(*argv, "--out", str(path))
+    path.mkdir()
+    save_run_config(path / "config.json", model, cfg, preset=cfg.preset, **record)
+    return path
+
+
+def test_the_command_that_started_a_run_resumes_it(tmp_path):
+    run = saved_run(tmp_path / "pp", *PP_COMMAND, "--steps", "20")
+    model, cfg = configs(*PP_COMMAND, "--steps", "20", "--out", str(run), "--resume")
+    saved = json.loads((run / "config.json").read_text())
+    assert dataclasses.asdict(model) == saved["model"]
+    assert (model.num_layers, model.dropout, cfg.steps, cfg.preset) == (8, 0.0, 20, "pp")
+    # Nothing but the run directory works as well, and so do changes of how to go on.
+    assert configs("--out", str(run), "--resume")[0] == model
+    model, cfg = configs(*PP_COMMAND, "--out", str(run), "--resume", "--preset", "dp",
+                         "--steps", "30", "--set", "model.remat=true")
+    assert (cfg.preset, cfg.steps, model.remat) == ("dp", 30, True)
+
+
+def test_a_recipe_run_resumes_with_its_recipe_and_keeps_the_steps_its_budget_fixed(tmp_path):
+    run = tmp_path / "stories"
+    model, cfg = configs("--recipe", "stories-cpu", "--out", str(run))
+    decided = dataclasses.replace(cfg, steps=1363, time_budget=0.0)  # what the budget wrote
+    run.mkdir()
+    save_run_config(run / "config.json", model, decided, preset=cfg.preset,
+                    time_budget={"seconds": 600.0, "steps": 1363})
+    resumed_model, resumed = configs("--recipe", "stories-cpu", "--out", str(run), "--resume")
+    assert resumed_model == model and resumed == decided
+    _, resumed = configs("--recipe", "stories-cpu", "--time-budget", "10m", "--out", str(run),
+                         "--resume")
+    assert resumed == decided
+    _, resumed = configs("--recipe", "stories-cpu", "--steps", "2000", "--out", str(run),
+                         "--resume")
+    assert resumed.steps == 2000 and resumed.time_budget == 0
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--model", "minigpt-tiny", "--set", "model.num_layers=8"], "dropout: 0.0 -> 0.1"),
+    (["--set", "model.embed_dim=128"], "embed_dim: 64 -> 128"),
+    (["--model", "gpt2-tiny"], "arch: 'minigpt' -> 'gpt2'"),
+    (["--tokenizer", "tinystories-4k"], "vocab_size: 50257 -> 4096, "
+                                        "tokenizer: 'gpt2' -> 'tinystories-4k'"),
+    (["--data", "other.txt"], "data: ('tinystories',) -> ('other.txt',)"),
+    (["--seed", "3"], "seed: 0 -> 3"),
+    (["--recipe", "stories-cpu"], "arch: 'minigpt' -> 'llama'"),
+    (["--time-budget", "5m"], "trained without a time budget: to train it further give --steps"),
+])
+def test_real_differences_are_refused_by_name(tmp_path, argv, named):
+    run = saved_run(tmp_path / "pp", *PP_COMMAND, "--steps", "20")
+    before = (run / "config.json").read_text()
+    with pytest.raises(ConfigError) as e:
+        configs(*argv, "--out", str(run), "--resume")
+    assert named in str(e.value)
+    assert (run / "config.json").read_text() == before
+
+
+def interrupted_at(step: int, monkeypatch):
+    """Make the trainer receive Ctrl-C while it runs step `step`."""
+    real_step, calls = steps.train_step, []
+
+    def interrupting(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "train_step", interrupting)
+    return lambda: monkeypatch.setattr(steps, "train_step", real_step)
+
+
+@pytest.mark.parametrize("command", [
+    pytest.param(PP_COMMAND + ["--batch-size", "16"], id="pp with --set", marks=pytest.mark.slow),
+    pytest.param(["--recipe", "stories-cpu", "--preset", "dp", "--steps", "6"], id="recipe"),
+])
+def test_pressing_up_and_adding_resume_continues_exactly(command, small_stories, tmp_path,
+                                                         monkeypatch):
+    common = [*command, "--data", str(small_stories), "--set", f"data_root={tmp_path / 'data'}",
+              "--steps", "6", "--seq-len", "32", "--save-every", "3", "--eval-every", "6",
+              "--set", "eval_batches=1", "--no-sample"]
+    assert train.main([*common, "--out", str(tmp_path / "straight")]) == 0
+    restore = interrupted_at(3, monkeypatch)
+    assert train.main([*common, "--out", str(tmp_path / "run")]) == 130
+    restore()
+    assert train.main([*common, "--out", str(tmp_path / "run"), "--resume"]) == 0
+    assert losses(tmp_path / "run") == losses(tmp_path / "straight")
+
+
+def test_extending_a_finished_run_says_what_it_does_and_goes_on_at_the_floor(
+        data_dir, tmp_path, capsys):
+    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_dir),),
+                      out=str(tmp_path / "run"), steps=4, batch_size=8, seq_len=32, lr=3e-3,
+                      warmup_steps=1, eval_every=100, eval_batches=1, save_every=2)
+    train.train(get_config("minigpt-tiny"), cfg, sample=False)
+    capsys.readouterr()
+    assert train.main(["--out", cfg.out, "--resume", "--steps", "8", "--no-sample"]) == 0
+    printed = capsys.readouterr().out
+    assert ("the run now ends at step 8 instead of 4: the learning rate goes on from 0.0003 "
+            "(its value at step 4) and decays by a cosine from 0.0003 at step 4 to 0.0003 at "
+            "step 8") in printed
+    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
+    rates = [r["lr"] for r in records if "lr" in r]
+    assert rates[:4] == pytest.approx([3e-3, 3e-3, 2.325e-3, 9.75e-4])  # the saved cosine
+    assert rates[4:] == pytest.approx([3e-4] * 4)  # then the floor, to the new end
+    saved = json.loads((Path(cfg.out) / "config.json").read_text())["train"]
+    assert (saved["steps"], saved["decay_start"], saved["warmup_steps"]) == (8, 4, 1)
+    # Resuming again (the same command, or none) goes on with that schedule, with no message.
+    assert train.main(["--out", cfg.out, "--resume", "--steps", "8", "--no-sample"]) == 0
+    assert "now ends" not in capsys.readouterr().out
+
+
+def test_a_run_cannot_be_resumed_behind_its_step(data_dir, tmp_path, capsys):
+    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_dir),),
+                      out=str(tmp_path / "run"), steps=4, batch_size=8, seq_len=32,
+                      eval_every=100, eval_batches=1, save_every=2)
+    train.train(get_config("minigpt-tiny"), cfg, sample=False)
+    capsys.readouterr()
+    assert train.main(["--out", cfg.out, "--resume", "--steps", "2"]) == 2
+    assert "is at step 4, past --steps 2: give a later step" in capsys.readouterr().err

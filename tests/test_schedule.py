@@ -1,0 +1,59 @@
+"""The learning-rate schedule: warm-up, hold, cosine, and how a resumed run with a new end goes on
+(the rates are pinned, step by step)."""
+
+import dataclasses
+
+import pytest
+
+from minigpt import schedule
+from minigpt.config import TrainConfig
+
+
+def rates_at(cfg: TrainConfig, *steps: int) -> list[float]:
+    rates = schedule.lr_schedule(cfg)
+    return [float(rates(s)) for s in steps]
+
+
+def test_warm_up_then_a_cosine_to_the_floor():
+    cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+    assert rates_at(cfg, 0, 9, 10, 60, 110, 500) == pytest.approx(
+        [1e-4, 1e-3, 1e-3, 0.55e-3, 1e-4, 1e-4])
+
+
+def test_a_later_decay_start_holds_the_peak_then_decays_warmup_stable_decay():
+    cfg = TrainConfig(steps=110, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1, decay_start=60)
+    assert rates_at(cfg, 5, 10, 59, 60, 85, 110) == pytest.approx(
+        [6e-4, 1e-3, 1e-3, 1e-3, 0.55e-3, 1e-4])
+
+
+SAVED = TrainConfig(steps=200, warmup_steps=20, lr=1e-3, min_lr_ratio=0.1)
+
+
+def test_extending_a_finished_run_goes_on_at_the_floor():
+    cfg, message = schedule.continued(SAVED, dataclasses.replace(SAVED, steps=400), 200)
+    assert rates_at(cfg, 200, 300, 399, 400) == pytest.approx([1e-4] * 4)
+    assert message == ("the run now ends at step 400 instead of 200: the learning rate goes on "
+                       "from 0.0001 (its value at step 200) and decays by a cosine from 0.0001 "
+                       "at step 200 to 0.0001 at step 400")
+
+
+def test_extending_mid_run_decays_from_where_the_rate_is_to_the_new_end():
+    assert rates_at(SAVED, 110) == pytest.approx([5.5e-4])  # halfway down the old cosine
+    cfg, _ = schedule.continued(SAVED, dataclasses.replace(SAVED, steps=400), 110)
+    # No jump at the resume step; halfway to the new end, halfway down from 5.5e-4 to 1e-4.
+    assert rates_at(cfg, 110, 255, 400) == pytest.approx([5.5e-4, 3.25e-4, 1e-4])
+    assert (cfg.decay_start, cfg.decay_start_lr, cfg.warmup_steps) == (110, pytest.approx(5.5e-4),
+                                                                       20)
+
+
+def test_shortening_mid_run_decays_faster_from_where_the_rate_is():
+    cfg, _ = schedule.continued(SAVED, dataclasses.replace(SAVED, steps=150), 110)
+    assert rates_at(cfg, 110, 130, 150) == pytest.approx([5.5e-4, 3.25e-4, 1e-4])
+
+
+def test_extending_during_the_warm_up_finishes_it_then_decays_from_the_peak():
+    saved = TrainConfig(steps=100, warmup_steps=-1, lr=1e-3, min_lr_ratio=0.1)  # warm-up 10
+    cfg, _ = schedule.continued(saved, dataclasses.replace(saved, steps=300), 5)
+    # The warm-up keeps its length (a tenth of 300 would be 30): no change to the rate at step 5.
+    assert rates_at(cfg, 5, 9, 10, 155, 300) == pytest.approx(
+        [6e-4, 1e-3, 1e-3, 5.5e-4, 1e-4])

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from minigpt import runtime
+from minigpt.checkpoint import CheckpointError
 from minigpt.config import (
     EXECUTION_FIELDS,
     ConfigError,
@@ -28,8 +32,15 @@ from minigpt.config import (
     parse_duration,
     parse_overrides,
 )
+from minigpt.lock import RunLocked
+from minigpt.metrics import TrainingDiverged
 from minigpt.models import get_config
-from minigpt.tokenizer import load_tokenizer
+from minigpt.sharding import PresetError
+from minigpt.token_files import DataError
+from minigpt.tokenizer import TokenizerError, load_tokenizer
+
+# What a user can cause, reported in one line with exit status 2 (3: training diverged).
+USER_ERRORS = (ConfigError, PresetError, CheckpointError, DataError, TokenizerError, RunLocked)
 
 # Train fields that say which run this is: a resumed run keeps them.
 IDENTITY_FIELDS = ("data", "seed", "recipe")
@@ -193,3 +204,24 @@ def _settle_time_budget(out: Path, saved: dict[str, Any], saved_train: TrainConf
                f"{saved_train.steps} steps" if record else "trained without a time budget")
     raise ConfigError(f"{out} was {decided}: to train it further give --steps N instead of "
                       f"--time-budget")
+
+
+def run(argv: Sequence[str] | None, train: Callable[..., dict[str, Any]]) -> int:
+    """Parse the command line, set up the devices (and the job), resolve the configs and call
+    `train` (`minigpt.train.train`); a user's error is one line on stderr and a nonzero exit."""
+    args = build_parser().parse_args(argv)
+    if args.devices:
+        runtime.set_simulated_devices(args.devices)
+    if args.distributed or any(v is not None for v in (
+            args.coordinator, args.num_processes, args.process_id)):
+        runtime.join_job(args.coordinator, args.num_processes, args.process_id)
+    try:
+        model_cfg, train_cfg = resolve_configs(args)
+        summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    return 130 if summary["interrupted"] else 0

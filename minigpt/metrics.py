@@ -153,6 +153,22 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being a finite number; the message says what to do."""
+
+    @classmethod
+    def at(cls, step: int, values: dict[str, float], *, lr: float, warmup: int, dtype: str,
+           out: Path, latest_checkpoint: int | None) -> TrainingDiverged:
+        kept = (f"the latest checkpoint is still step {latest_checkpoint}; nothing after it was "
+                f"saved" if latest_checkpoint is not None else "no checkpoint was saved")
+        return cls(
+            f"step {step}: the loss is {values['loss']} and the gradient norm "
+            f"{values['grad_norm']}: training diverged and stopped ({kept}). Likely causes: a "
+            f"learning rate too high for this model and batch (peak lr {lr:g}), too short a "
+            f"warm-up ({warmup} steps) or overflow in {dtype}. Continue with a lower rate: "
+            f"python -m minigpt.train --out {out} --resume --lr {lr / 10:g}")
+
+
 # metrics.jsonl keys and the TensorBoard tags they are shown under.
 TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate",
                     "grad_norm": "train/grad_norm", "tokens_per_s": "speed/tokens_per_s",
@@ -235,8 +251,10 @@ class Recorder:
         if self.board is not None:
             self.board.write(record)
 
-    def record(self, step: int, values: dict[str, float]) -> dict[str, Any]:
-        """Log a step's metrics (floats) with its speed; returns the record."""
+    def record(self, step: int, reported: dict[str, Any]) -> dict[str, float]:
+        """Log the metrics a step reported (device scalars) with its speed; returns them as
+        floats."""
+        values = {k: float(v) for k, v in jax.device_get(reported).items()}
         elapsed = self.timer.lap()
         entry = {"step": step, **values}
         if elapsed is not None:
@@ -249,7 +267,7 @@ class Recorder:
                 self.progress.set_postfix(loss=f"{values['loss']:.3f}",
                                           tok_s=f"{entry['tokens_per_s']:,.0f}",
                                           mfu=f"{entry['mfu']:.3f}")
-        return entry
+        return values
 
     def record_eval(self, step: int, loss: float) -> None:
         self.write({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))})

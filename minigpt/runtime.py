@@ -4,6 +4,7 @@
   laptop (`--devices 8`).
 - `join_job(...)`: join a multi-process JAX job (several hosts, or several processes on one
   machine), before anything else touches the devices.
+- `log(...)`: print from process 0 only, so a multi-process job prints each line once.
 - `StopOnInterrupt`: the first Ctrl-C becomes a request a loop honours at a safe point.
 - `relaunch_with_huge_pages()`: on Linux with glibc, restart the process once with
   `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. XLA's CPU backend allocates every large temporary
@@ -27,6 +28,12 @@ import jax
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 _RELAUNCHED = "_MINIGPT_RELAUNCHED_WITH_HUGE_PAGES"  # set for the restarted process only
+
+
+def log(*args) -> None:
+    """Print from process 0 only, so a multi-process job prints each line once."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
 
 
 def set_simulated_devices(count: int) -> None:

@@ -31,26 +31,17 @@ from jax.experimental import multihost_utils
 
 from minigpt import cli, config, metrics, pipeline, runtime, schedule, sharding, steps
 from minigpt.budget import TimeBudget
-from minigpt.checkpoint import Checkpointer, CheckpointError
+from minigpt.checkpoint import Checkpointer
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, load_run_config, warmup_for
 from minigpt.data import resolve_data
 from minigpt.files import write_text_atomic
 from minigpt.generate import generate
 from minigpt.loader import batch_iterator
-from minigpt.lock import RunLocked, hold_run_lock
+from minigpt.lock import hold_run_lock
 from minigpt.models import build_model
-from minigpt.token_files import DataError, load_meta
-from minigpt.tokenizer import TokenizerError, load_tokenizer
-
-
-def log(*args: Any) -> None:
-    """Print from process 0 only, so a multi-host job prints each line once."""
-    if jax.process_index() == 0:
-        print(*args, flush=True)
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm stopped being a finite number; the message says what to do."""
+from minigpt.runtime import log
+from minigpt.token_files import load_meta
+from minigpt.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
@@ -298,20 +289,12 @@ def _due(run: Run, every: str) -> bool:
 
 def _record(run: Run, recorder: metrics.Recorder, step: int, reported) -> None:
     """Log the metrics a step reported; a non-finite loss or gradient norm stops the run."""
-    values = {k: float(v) for k, v in jax.device_get(reported).items()}
-    recorder.record(step, values)
-    if math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"]):
-        return
-    cfg, last = run.train_cfg, run.checkpointer.latest_step()
-    kept = (f"the latest checkpoint is still step {last}; nothing after it was saved"
-            if last is not None else "no checkpoint was saved")
-    raise TrainingDiverged(
-        f"step {step}: the loss is {values['loss']} and the gradient norm "
-        f"{values['grad_norm']}: training diverged and stopped ({kept}). Likely causes: a "
-        f"learning rate too high for this model and batch (peak lr {cfg.lr:g}), too short a "
-        f"warm-up ({warmup_for(cfg)} steps) or overflow in {run.model_cfg.dtype}. Continue "
-        f"with a lower rate: python -m minigpt.train --out {run.out} --resume --lr "
-        f"{cfg.lr / 10:g}")
+    values = recorder.record(step, reported)
+    if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+        cfg = run.train_cfg
+        raise metrics.TrainingDiverged.at(
+            step, values, lr=cfg.lr, warmup=warmup_for(cfg), dtype=run.model_cfg.dtype,
+            out=run.out, latest_checkpoint=run.checkpointer.latest_step())
 
 
 def _save(run: Run) -> None:
@@ -374,23 +357,8 @@ def _prepare_data(train_cfg: TrainConfig, tokenizer: str) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = cli.build_parser().parse_args(argv)
-    if args.devices:
-        runtime.set_simulated_devices(args.devices)
-    if args.distributed or any(v is not None for v in (
-            args.coordinator, args.num_processes, args.process_id)):
-        runtime.join_job(args.coordinator, args.num_processes, args.process_id)
-    try:
-        model_cfg, train_cfg = cli.resolve_configs(args)
-        summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample)
-    except (ConfigError, sharding.PresetError, CheckpointError, DataError, TokenizerError,
-            RunLocked) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    return 130 if summary["interrupted"] else 0
+    """`python -m minigpt.train`: the command line (`minigpt.cli`) around `train`."""
+    return cli.run(argv, train)
 
 
 if __name__ == "__main__":

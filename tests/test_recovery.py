@@ -17,7 +17,7 @@ import pytest
 from conftest import losses
 from flax import nnx
 
-from minigpt import generate, train
+from minigpt import generate, metrics, train
 from minigpt.checkpoint import TEMPORARY_MARK, Checkpointer, CheckpointError
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.models import build_model, get_config
@@ -154,7 +154,7 @@ def test_a_save_interrupted_mid_write_is_never_restored(config, uninterrupted, c
 
 def test_a_diverging_run_stops_at_once_and_keeps_its_last_good_checkpoint(config, capsys):
     cfg = dataclasses.replace(config, steps=30, lr=1e4, warmup_steps=1)
-    with pytest.raises(train.TrainingDiverged) as e:
+    with pytest.raises(metrics.TrainingDiverged) as e:
         train.train(MODEL, cfg, sample=False)
     message = str(e.value)
     step = int(message.split(":")[0].removeprefix("step "))

@@ -1,0 +1,133 @@
+"""The context model code runs in: the preset's rules and how to run what they lay out.
+
+It is entered once, at the top (`use_preset`: the mesh, the rules, the pipeline settings); a
+model's entry points add their kernel choice (`running(kernels=...)`). Model code reads it where
+it needs it (`active()`, `logical_to_spec`, `constrain`, `active_ways`) and never takes these
+settings as arguments. Steps compiled with `jit` are keyed on it, so a call under other settings
+compiles anew instead of reusing a program traced under the old ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from minigpt.sharding.presets import Preset, Rules, resolve_spec, ways
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How a pipeline preset runs the block stack: settings of the program, never of the numbers
+    (every choice computes the same losses and gradients)."""
+
+    microbatches: int = 0  # M: pieces each batch goes through the stages in; 0: two per stage
+
+
+def default_microbatches(stages: int) -> int:
+    """Pipeline microbatches when none are configured: 2 per stage (a GPipe bubble under 1/3)."""
+    return 2 * stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What model code reads while it is traced: the preset's rules and how to run."""
+
+    rules: Rules = ()
+    pipeline: Pipeline = Pipeline()
+    kernels: str = "auto"  # minigpt.kernels: "auto", "reference" or "cpu"
+
+
+_DEFAULT = Context()
+_active: contextvars.ContextVar[Context] = contextvars.ContextVar("minigpt", default=_DEFAULT)
+
+
+def active() -> Context:
+    """The context model code runs in (outside `use_preset`: no rules, defaults)."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def running(**changes: Any) -> Iterator[Context]:
+    """Change some settings of the active context (`kernels=...`, `pipeline=...`) inside."""
+    token = _active.set(dataclasses.replace(_active.get(), **changes))
+    try:
+        yield _active.get()
+    finally:
+        _active.reset(token)
+
+
+@contextlib.contextmanager
+def use_preset(preset: Preset, mesh, pipeline: Pipeline = Pipeline()) -> Iterator[None]:
+    """Enter the mesh, the preset's logical-axis rules and how to run: the context for all model
+    code.
+
+    The rules live in our own context rather than `nnx.logical_axis_rules`, because Flax maps each
+    logical name independently and would turn an [embed, mlp] kernel under `fsdp` into the invalid
+    spec ('fsdp', 'fsdp'); `logical_to_spec` resolves such clashes.
+    """
+    with running(rules=preset.rules, pipeline=pipeline), jax.set_mesh(mesh):
+        yield
+
+
+class _ContextJit:
+    """A function compiled with `nnx.jit` once per context as well as per argument structure."""
+
+    def __init__(self, fn: Callable, static_argnames: Sequence[str], **jit_kwargs: Any):
+        def traced(*args, _context: Context, **kwargs):
+            with running(**{f.name: getattr(_context, f.name)
+                            for f in dataclasses.fields(Context)}):
+                return fn(*args, **kwargs)
+
+        # fn's own signature plus the context, so arguments are still named as fn names them
+        signature = inspect.signature(fn)
+        traced.__signature__ = signature.replace(parameters=[
+            *signature.parameters.values(),
+            inspect.Parameter("_context", inspect.Parameter.KEYWORD_ONLY)])
+        traced.__name__, traced.__qualname__ = fn.__name__, fn.__qualname__
+        self._jitted = nnx.jit(traced, static_argnames=(*static_argnames, "_context"),
+                               **jit_kwargs)
+        self.__doc__, self.__name__, self.__wrapped__ = fn.__doc__, fn.__name__, fn
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted(*args, _context=active(), **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*args, _context=active(), **kwargs)
+
+
+def jit(fn: Callable | None = None, *, static_argnames: Sequence[str] = (), **jit_kwargs: Any):
+    """`nnx.jit` keyed on the active context too: model code reads the context while it is
+    traced, so a call under other rules or other pipeline settings must compile anew rather than
+    reuse a program traced under the old ones. Used as `@sharding.jit` or `@sharding.jit(...)`."""
+    if fn is None:
+        return functools.partial(jit, static_argnames=static_argnames, **jit_kwargs)
+    return _ContextJit(fn, static_argnames, **jit_kwargs)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> jax.P:
+    """Translate logical axis names into a PartitionSpec by the given (or the active) rules
+    (`presets.resolve_spec` says how clashes resolve)."""
+    return resolve_spec(axes, active().rules if rules is None else rules)
+
+
+def constrain(x, axes: Sequence[str | None]):
+    """Ask the compiler to lay out activation `x` by logical axes; a no-op outside a preset."""
+    if jax.sharding.get_abstract_mesh().empty or not active().rules:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+
+
+def active_ways(logical: str) -> int:
+    """Into how many pieces the active preset splits a logical axis (1 outside a preset)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not active().rules:
+        return 1
+    return ways(mesh, logical_to_spec((logical,))[0])

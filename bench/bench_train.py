@@ -38,7 +38,7 @@ def worker(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from minigpt import schedule, sharding, steps
+    from minigpt import pipeline, schedule, sharding, steps
     from minigpt.config import TrainConfig
     from minigpt.metrics import flops_per_token, measure_matmul_peak
     from minigpt.models import build_model, get_config
@@ -62,7 +62,15 @@ def worker(spec: dict) -> dict:
     state_bytes = sum(r["bytes_per_device"] for r in rows)
     rng = jax.random.key(0)
     rates = schedule.lr_schedule(train_cfg)
-    pipe = sharding.Pipeline(microbatches=spec.get("pipeline_microbatches", 0))
+    pipe = sharding.check_layout(preset, mesh, model=spec["model"], num_layers=cfg.num_layers,
+                                 pipeline=sharding.Pipeline(
+                                     microbatches=spec.get("pipeline_microbatches", 0),
+                                     schedule=spec.get("pipeline_schedule", "gpipe"),
+                                     repeats=spec.get("pipeline_repeats", 1)))
+    if pipe.repeats > 1:  # the circular schedule keeps each stage's chunks side by side
+        order = pipeline.schedules.layer_order(cfg.num_layers, mesh.shape["stage"], pipe.repeats)
+        for obj in (model, optimizer):
+            nnx.update(obj, pipeline.reorder_layers(nnx.state(obj), order))
     with sharding.use_preset(preset, mesh, pipe):
         batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
         start = time.perf_counter()
@@ -81,6 +89,7 @@ def worker(spec: dict) -> dict:
     peak_bytes = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                   - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
     return {"step_s": step_s, "compile_s": compile_s, "tokens_per_s": B * T / step_s,
+            "temp_bytes": memory.temp_size_in_bytes,
             "achieved": flops / step_s, "peak": peak, "mfu": flops / step_s / peak,
             "peak_bytes": peak_bytes, "state_bytes": state_bytes, "devices": mesh.size,
             "context": T,
@@ -112,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["presets", "context", "depth", "scan", "kernels",
-                                                 "pipeline", "bubble"])
+                                                 "pipeline", "bubble", "stash"])
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
     args = parser.parse_args()
     if args.worker:
@@ -214,66 +223,109 @@ def main() -> None:
         pipeline_section(base)
     if args.only in (None, "bubble"):
         bubble_section(base)
+    if args.only in (None, "stash"):
+        stash_section(base)
+
+
+PIPELINE_RUNS = [("pp", "gpipe", 1), ("pp", "1f1b", 1), ("dp_pp", "gpipe", 1),
+                 ("dp_pp", "1f1b", 1), ("dp_pp", "gpipe", 2), ("fsdp_pp", "1f1b", 1),
+                 ("pp_tp", "1f1b", 1), ("dp_pp_tp", "1f1b", 1), ("fsdp_pp_tp", "1f1b", 1)]
 
 
 def pipeline_section(base: dict) -> None:
-    """Pipeline presets beside dp at the same batch: step time, compile time, memory."""
+    """Pipeline presets and schedules beside dp at the same batch: step, compile, memory."""
     from bench.report import append_section, table
     from minigpt.pipeline import bubble_fraction
     from minigpt.sharding import default_microbatches
 
-    stages = {"pp": 8, "dp_pp": 2, "fsdp_pp": 2, "pp_tp": 4}
+    stages = {"pp": 8, "dp_pp": 2, "fsdp_pp": 2, "pp_tp": 4, "dp_pp_tp": 2, "fsdp_pp_tp": 2}
     specs = [{**base, "label": "dp", "preset": "dp", "devices": 8}]
-    specs += [{**base, "label": f"{name} (M={default_microbatches(s)})", "preset": name,
-               "devices": 8, "pipeline_microbatches": default_microbatches(s)}
-              for name, s in stages.items()]
+    for name, plan, repeats in PIPELINE_RUNS:
+        m = default_microbatches(stages[name])
+        label = f"{name} {plan}" + (f" R={repeats}" if repeats > 1 else "") + f" (M={m})"
+        specs.append({**base, "label": label, "preset": name, "devices": 8,
+                      "pipeline_microbatches": m, "pipeline_schedule": plan,
+                      "pipeline_repeats": repeats})
     results = [run(s) for s in specs]
     dp = results[0]
-    rows = [(s["label"], f"{r['step_s']:.3f}", f"{r['step_s'] / dp['step_s']:.2f}x",
-             f"{r['compile_s']:.1f}", mib(r["peak_bytes"]), mib(r["state_bytes"]),
-             "" if s["preset"] == "dp" else
-             f"{bubble_fraction(stages[s['preset']], s['pipeline_microbatches']):.1%}")
-            for s, r in zip(specs, results)]
-    body = table(["preset", "step (s)", "vs dp", "compile (s)", "peak memory/device (MiB)",
-                  "params + optimizer/device (MiB)", "bubble (formula)"], rows)
+    def bubble(s):
+        if s["preset"] == "dp":
+            return ""
+        fraction = bubble_fraction(stages[s["preset"]], s["pipeline_microbatches"],
+                                   s["pipeline_repeats"])
+        return f"{fraction:.1%}"
 
-    append_section("pipeline presets beside dp, minigpt on 8 simulated devices", [
+    rows = [(s["label"], f"{r['step_s']:.3f}", f"{r['step_s'] / dp['step_s']:.2f}x",
+             f"{r['compile_s']:.1f}", mib(r["peak_bytes"]), mib(r["state_bytes"]), bubble(s))
+            for s, r in zip(specs, results)]
+    body = table(["preset and schedule", "step (s)", "vs dp", "compile (s)",
+                  "peak memory/device (MiB)", "params + optimizer/device (MiB)",
+                  "bubble (formula)"], rows)
+    append_section("pipeline presets and schedules beside dp, minigpt on 8 simulated devices", [
         "model `minigpt` (8 layers), batch 32 x 256 tokens, AdamW, dropout 0.1, float32; "
-        "pipeline microbatches M = 2 x stages (the default)",
-        "caveat: the 8 simulated devices are threads sharing 2 cores, so a stage waiting in "
-        "the bubble does not free a core for another stage's work: every stage computes "
-        "every iteration (SPMD), which is what makes the bubble measurable here; the time "
-        "collectives take between threads says nothing about real interconnects",
+        "pipeline microbatches M = 2 x stages (the default); circular R = 2 on `dp_pp` "
+        "(2 stages of 2 chunks of 2 layers)",
+        "the embedding runs on the first stage as each microbatch enters, the head and loss "
+        "on all stages, 1/S of the positions each, as each microbatch leaves the last",
+        "caveat: the 8 simulated devices are threads sharing 2 cores; a stage with nothing to "
+        "do at a tick skips its work (a conditional), so its core serves the other stages and "
+        "the bubble costs little time here; on real devices each stage has its own compute "
+        "and the bubble is the formula's",
     ], body)
 
 
 def bubble_section(base: dict) -> None:
-    """Step time under `pp` against M at 2 sequences per microbatch, fitted by a line: the
-    intercept is the bubble's cost, (S - 1) iterations of the per-microbatch slope if the
-    formula holds. A 512-token vocabulary keeps the embedding, head and loss (replicated on
-    every stage, outside the pipeline) from hiding the pipeline's own cost."""
+    """Step time under `pp` against M for each schedule, fitted by a line: the intercept is
+    the bubble's cost if the formula holds. A 16-layer model with a 512-token vocabulary (2
+    layers per stage, or 2 chunks of 1 for the circular schedule) keeps the head small."""
     import numpy as np
 
     from bench.report import append_section, table
     from minigpt.pipeline import bubble_fraction
 
-    counts, S = (4, 8, 16, 32), 8
-    fits = [run({**base, "label": f"pp M={m}", "preset": "pp", "devices": 8, "batch": 2 * m,
-                 "pipeline_microbatches": m, "overrides": {"vocab_size": 512}})
-            for m in counts]
-    times = np.array([r["step_s"] for r in fits])
-    slope, intercept = np.polyfit(counts, times, 1)  # time = intercept + slope * M
-    body = table(["M", "batch", "step (s)", "fit (s)", "measured bubble", "formula"],
-                 [(m, 2 * m, f"{t:.3f}", f"{intercept + slope * m:.3f}",
-                   f"{intercept / (intercept + slope * m):.1%}", f"{bubble_fraction(S, m):.1%}")
-                  for m, t in zip(counts, times)])
-    body += ["", f"fit: step = {intercept:.3f} s + {slope:.4f} s x M; the formula's bubble is "
-             f"(S - 1) = 7 iterations of the per-microbatch cost, an intercept of "
-             f"{(S - 1) * slope:.3f} s"]
-    append_section("pipeline bubble: pp step time against microbatches", [
-        "model `minigpt` (8 layers, width 256) with a 512-token vocabulary, 8 stages of 1 "
-        "layer on 8 simulated devices, 2 sequences x 256 tokens per microbatch, batch 2 x M",
-        "measured bubble = intercept / step time; formula = (S - 1) / (M + S - 1)",
+    counts, S = (8, 16, 32), 8
+    rows, fits = [], []
+    for plan, repeats in (("gpipe", 1), ("1f1b", 1), ("gpipe", 2)):
+        label = "circular R=2" if repeats > 1 else plan
+        runs = [run({**base, "label": f"pp {label} M={m}", "preset": "pp", "devices": 8,
+                     "batch": 2 * m, "pipeline_microbatches": m, "pipeline_schedule": plan,
+                     "pipeline_repeats": repeats,
+                     "overrides": {"vocab_size": 512, "num_layers": 16}})
+                for m in counts]
+        times = np.array([r["step_s"] for r in runs])
+        slope, intercept = np.polyfit(counts, times, 1)  # time = intercept + slope * M
+        fits.append(f"{label}: step = {intercept:.3f} s + {slope:.4f} s x M")
+        rows += [(label, m, f"{t:.3f}", f"{intercept + slope * m:.3f}",
+                  f"{max(intercept, 0) / (intercept + slope * m):.1%}",
+                  f"{bubble_fraction(S, m, repeats):.1%}") for m, t in zip(counts, times)]
+    body = table(["schedule", "M", "step (s)", "fit (s)", "measured bubble", "formula"], rows)
+    body += ["", "fits: " + "; ".join(fits)]
+    append_section("pipeline bubble: pp step time against microbatches, per schedule", [
+        "model `minigpt` with 16 layers (width 256) and a 512-token vocabulary, 8 stages on 8 "
+        "simulated devices, 2 sequences x 256 tokens per microbatch, batch 2 x M",
+        "measured bubble = intercept / step time; formula = (S - 1) / (R M + S - 1)",
+    ], body)
+
+
+def stash_section(base: dict) -> None:
+    """Temporary memory of the compiled train step against M at a fixed microbatch size:
+    GPipe keeps every microbatch's stage input, 1F1B at most 2S - 1 of them."""
+    from bench.report import append_section, table
+
+    rows = []
+    for plan in ("gpipe", "1f1b"):
+        for m in (8, 16, 32):
+            r = run({**base, "label": f"pp_tp {plan} M={m}", "preset": "pp_tp", "devices": 8,
+                     "batch": 2 * m, "repeats": 1, "pipeline_microbatches": m,
+                     "pipeline_schedule": plan, "overrides": {"vocab_size": 512}})
+            rows.append((plan, m, mib(r["temp_bytes"]), f"{r['step_s']:.3f}"))
+    body = table(["schedule", "M", "temp memory/device (MiB)", "step (s)"], rows)
+    stage_input = 2 * 256 * 256 * 4 / 2**20
+    append_section("pipeline memory: compiled step's temporaries against microbatches", [
+        "model `minigpt` (8 layers, width 256) with a 512-token vocabulary under `pp_tp` (4 "
+        "stages of tensor-parallel pairs), 2 sequences x 256 tokens per microbatch, batch 2 x M",
+        f"one stage input (a microbatch's [2, 256, 256] float32 activations) is "
+        f"{stage_input:.2f} MiB; temp memory from the compiled step's memory analysis",
     ], body)
 
 

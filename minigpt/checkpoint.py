@@ -21,6 +21,7 @@ import logging
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,14 +181,19 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, *,
-             data_state: dict[str, Any], rng: jax.Array, force: bool = False) -> bool:
-        """Start saving a checkpoint for `step`; returns False if one already exists."""
+             data_state: dict[str, Any], rng: jax.Array, force: bool = False,
+             layout: Callable[[Any], Any] | None = None) -> bool:
+        """Start saving a checkpoint for `step`; returns False if one already exists.
+
+        `layout` maps the model's and the optimizer's state to what is stored (a run that
+        keeps its layers in another order stores them in the model's)."""
         if step in self._manager.all_steps():
             return False
+        layout = layout or (lambda state: state)
         meta = {"step": step, "rng": np.asarray(jax.random.key_data(rng)).tolist()}
         args = ocp.args.Composite(
-            model=ocp.args.StandardSave(nnx.state(model)),
-            optimizer=ocp.args.StandardSave(nnx.state(optimizer)),
+            model=ocp.args.StandardSave(layout(nnx.state(model))),
+            optimizer=ocp.args.StandardSave(layout(nnx.state(optimizer))),
             data=ocp.args.JsonSave(data_state),
             meta=ocp.args.JsonSave(meta),
         )

@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 
 DTYPES = ("float32", "bfloat16")
 KERNELS = ("auto", "reference", "cpu")  # see minigpt.kernels
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,12 @@ class TrainConfig:
     batch_size: int = 64  # global batch, in sequences
     seq_len: int = 0  # 0: the model's context length
     microbatches: int = 1  # gradient accumulation inside the compiled step
-    # Under a pipeline preset, the pieces each (accumulation) batch goes through the stages in;
-    # 0: two per stage.
+    # Under a pipeline preset, the pieces each (accumulation) batch goes through the stages in
+    # (0: two per stage), the schedule they follow ("gpipe" or "1f1b": same numbers, 1f1b keeps
+    # fewer activations) and the chunks of layers each stage holds (R > 1: circular, gpipe).
     pipeline_microbatches: int = 0
+    pipeline_schedule: str = "gpipe"
+    pipeline_repeats: int = 1
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     # Linear warm-up steps; -1: a tenth of the run, at most 100 (`warmup_for`), so short runs
@@ -159,6 +163,12 @@ class TrainConfig:
         if self.pipeline_microbatches < 0:
             raise ConfigError(f"train.pipeline_microbatches must be >= 0 (0: two per stage), "
                               f"got {self.pipeline_microbatches}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"unknown train.pipeline_schedule {self.pipeline_schedule!r}: "
+                              f"choose one of {', '.join(PIPELINE_SCHEDULES)}")
+        if self.pipeline_repeats < 1:
+            raise ConfigError(f"train.pipeline_repeats must be >= 1, got "
+                              f"{self.pipeline_repeats}")
         if self.decay_steps < 0:
             raise ConfigError(f"train.decay_steps must be >= 0, got {self.decay_steps}")
         if self.decay_start < -1 or self.decay_start_lr < 0:

@@ -4,7 +4,8 @@
 
 prints every parameter with its logical axes, the mesh PartitionSpec they resolve to and the bytes
 each device holds, then the per-device totals of parameters and optimizer state; under a pipeline
-preset, which layers each stage holds on which devices, and the bubble for the microbatches.
+preset, which layers each stage holds on which devices, the schedule (`--schedule`, `--repeats`,
+`--microbatches`), its bubble and the stage inputs each stage keeps for its backward.
 Nothing is allocated: the model and optimizer are built abstractly (shapes only).
 """
 
@@ -42,26 +43,41 @@ def mib(rows: list[dict[str, Any]], key: str) -> str:
     return f"{sum(r[key] for r in rows) / 2**20:,.2f} MiB"
 
 
-def stage_map(preset: sharding.Preset, mesh, num_layers: int, microbatches: int,
-              block_rows: list[dict[str, Any]]) -> list[str]:
-    """Which layers and devices each pipeline stage holds, and the bubble: lines to print."""
+def stage_map(preset: sharding.Preset, mesh, num_layers: int, settings: sharding.Pipeline,
+              block_rows: list[dict[str, Any]], sequences: int | None = None) -> list[str]:
+    """Which layers and devices each pipeline stage holds, the schedule, its bubble and the
+    stage inputs each stage keeps: lines to print."""
     axis = preset.mesh_axes_of("layers")[0]
-    stages = mesh.shape[axis]
-    per_stage = num_layers // stages
-    devices = np.moveaxis(mesh.devices, list(mesh.axis_names).index(axis), 0).reshape(stages, -1)
+    S, M, R = mesh.shape[axis], settings.microbatches, settings.repeats
+    devices = np.moveaxis(mesh.devices, list(mesh.axis_names).index(axis), 0).reshape(S, -1)
     block_bytes = sum(r["bytes_per_device"] for r in block_rows)
-    lines = [f"pipeline: {stages} stages over mesh axis {axis!r}, {per_stage} layer(s) each; "
-             f"block parameters {block_bytes:,} bytes per device (1/{stages} of the stack "
+    per_stage = num_layers // S
+    lines = [f"pipeline: {S} stages over mesh axis {axis!r}, {per_stage} layer(s) each"
+             + (f" in {R} chunks (circular)" if R > 1 else "")
+             + f"; block parameters {block_bytes:,} bytes per device (1/{S} of the stack "
              f"where nothing else splits it)"]
-    for s in range(stages):
+    order = pipeline.schedules.layer_order(num_layers, S, R).reshape(S, per_stage)
+    for s in range(S):
         ids = ", ".join(str(d.id) for d in devices[s].flat)
-        first, last = s * per_stage, (s + 1) * per_stage - 1
-        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
-        lines.append(f"  stage {s}: {layers} on device(s) {ids}")
-    lines.append(f"bubble with {microbatches} microbatches: (S - 1) / (M + S - 1) = "
-                 f"{stages - 1}/{microbatches + stages - 1} = "
-                 f"{pipeline.bubble_fraction(stages, microbatches):.1%} of each step")
+        lines.append(f"  stage {s}: {_layer_ranges(order[s])} on device(s) {ids}")
+    plan = pipeline.table(settings, S)
+    lines.append(f"schedule {settings.schedule}" + (f", repeats {R}" if R > 1 else "")
+                 + f", {M} microbatches"
+                 + (f" of {sequences // M} sequences" if sequences else "")
+                 + f": bubble (S - 1) / (R M + S - 1) = {S - 1}/{R * M + S - 1} = "
+                 f"{pipeline.bubble_fraction(S, M, R):.1%} of each step; each stage keeps up "
+                 f"to {plan.stash_size} microbatch inputs for its backward ({plan.ticks} ticks)")
     return lines
+
+
+def _layer_ranges(layers) -> str:
+    """"layer 3", "layers 0-3", "layers 0-1, 4-5": runs of consecutive layers."""
+    runs, start = [], layers[0]
+    for prev, cur in zip(layers, [*layers[1:], None]):
+        if cur != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(runs)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="simulate this many CPU devices (default: the devices present)")
     parser.add_argument("--microbatches", type=int, default=0,
                         help="pipeline microbatches M, for the bubble (default: 2 per stage)")
+    parser.add_argument("--schedule", default="gpipe", help="pipeline schedule: gpipe or 1f1b")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="chunks of layers per stage (R > 1: the circular schedule)")
     parser.add_argument("--batch-size", type=int, default=0,
                         help="a global batch to check against the preset and M, as the trainer "
                              "does (default: none checked)")
@@ -95,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = sharding.check_layout(
             preset, mesh, model=args.model, num_layers=cfg.num_layers,
             batch_size=args.batch_size or None,
-            pipeline=sharding.Pipeline(microbatches=args.microbatches))
+            pipeline=sharding.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
+                                       repeats=args.repeats))
     except (sharding.PresetError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,8 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(of {mib(opt, 'bytes')} in all)")
     if settings.microbatches:
         blocks = [r for r in params if r["axes"][:1] == ("layers",)]
-        print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, settings.microbatches,
-                                           blocks)))
+        print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, settings, blocks,
+                                           args.batch_size or None)))
     return 0
 
 

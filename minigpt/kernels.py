@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from minigpt import sharding
@@ -41,6 +40,14 @@ def resolve(choice: str) -> str:
 def get(choice: str) -> ReferenceKernels:
     """The kernel set for a `ModelConfig.kernels` value ("auto", "reference" or "cpu")."""
     return _KERNELS[resolve(choice)]
+
+
+def placeholders(state):
+    """A function making scalar stand-ins for a state's arrays (of the same dtypes), to rebuild
+    a module around code that never reads that state: the output head without the block stack.
+    Made inside each trace that needs them, so no traced value is closed over."""
+    dtypes = jax.tree.map(lambda a: a.dtype, state)
+    return lambda: jax.tree.map(lambda dtype: jnp.zeros((), dtype), dtypes)
 
 
 def active() -> ReferenceKernels:
@@ -80,8 +87,17 @@ class ReferenceKernels:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy; logits [B, T, V] float32 (padding at -inf), targets [B, T] int."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """Mean cross-entropy; logits [B, T, V] float32 (padding at -inf), targets [B, T] int:
+    log-sum-exp of a row minus its target's logit."""
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logits(logits, targets))
+
+
+def target_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """logits[..., targets] as a masked sum over the vocabulary rather than a gather: XLA
+    partitions the sum wherever the vocabulary is split, and it crashes partitioning the gather
+    inside a pipeline stage that splits it over two other mesh axes (a 3-D preset)."""
+    hit = jnp.arange(logits.shape[-1]) == targets[..., None]
+    return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
 
 
 class CpuKernels(ReferenceKernels):
@@ -109,7 +125,13 @@ class CpuKernels(ReferenceKernels):
 
 
 def _sum_rows(x: jax.Array) -> jax.Array:
-    """Sum x [..., F] over every leading axis, as a matrix-vector product with ones."""
+    """Sum x [..., F] over every leading axis, as a matrix-vector product with ones.
+
+    Inside a pipeline stage (a `shard_map` region, where the value varies over the stage axis)
+    a plain sum instead: there XLA partitions that product into collectives that deadlock
+    when the rows and the features are split over two other mesh axes (`fsdp_pp_tp`)."""
+    if jax.typeof(x).manual_axis_type.varying:
+        return jnp.sum(x.reshape(-1, x.shape[-1]).astype(jnp.float32), axis=0)
     rows = x.reshape(-1, x.shape[-1])  # [R, F]
     ones = jnp.ones((rows.shape[0],), rows.dtype)
     return jnp.dot(ones, rows, precision=jax.lax.Precision.HIGHEST,
@@ -214,10 +236,13 @@ def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> 
     That is three matmuls per chunk, as plain autodiff needs, and two passes over the logits
     instead of about six. Chunks split the sequence, not the batch, so batch sharding holds.
     """
-    graphdef, state = nnx.split(model)
+    # Only the parameters the head uses go through the loss; the block stack, which it never
+    # touches, is left out (no zero gradients for it to carry through the loop).
+    graphdef, blocks, state = nnx.split(model, nnx.PathContains("blocks"), ...)
+    stand_in = placeholders(blocks)
 
     def chunk_logits(state, xc):
-        return nnx.merge(graphdef, state).logits(xc)  # [R, V]
+        return nnx.merge(graphdef, stand_in(), state).logits(xc)  # [R, V]
 
     B, T, _ = x.shape
     return _fused_ce(chunk_logits, T // _chunk_len(B, T), sharding.active_ways("batch"),
@@ -247,7 +272,7 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, state, x, targets):
         # normaliser and for the softmax, and exp is the costliest elementwise op here.
         e = jax.lax.optimization_barrier(jnp.exp(logits - top))  # [R, V]
         total = jnp.sum(e, axis=-1, keepdims=True)  # [R, 1]
-        target_logit = jnp.take_along_axis(logits, tc[:, None], axis=-1)  # [R, 1]
+        target_logit = target_logits(logits, tc)[:, None]  # [R, 1]
         loss = jnp.sum(top + jnp.log(total) - target_logit)
         d_logits = e / total - jax.nn.one_hot(tc, logits.shape[-1])
         d_state, d_xc = pull_back(d_logits)
@@ -264,7 +289,9 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, state, x, targets):
 
     zeros = jax.tree.map(per_shard_zeros, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
     losses = sharding.constrain(jnp.zeros((S,), jnp.float32), ("batch",))
-    (loss, d_state), d_xs = jax.lax.scan(one_chunk, (losses, zeros), (xs, ts))
+    # Inside a pipeline stage (shard_map) the sums vary from stage to stage as their terms do.
+    carry = sharding.varying_as((losses, zeros), state, x)
+    (loss, d_state), d_xs = jax.lax.scan(one_chunk, carry, (xs, ts))
     loss, d_state = jax.tree.map(lambda d: jnp.sum(d, axis=0), (loss, d_state))
     d_x = jnp.swapaxes(d_xs.reshape(chunks, B, c, D), 0, 1).reshape(B, T, D)
     count = B * T

@@ -77,7 +77,10 @@ def _adamw(b1: float, b2: float, weight_decay: float,
 def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],
             dropout_keys: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each), with
-    dropout when keys (one per row) are given."""
+    dropout when keys (one per row) are given. Under a pipeline preset the model runs as the
+    context's pipeline schedule says."""
+    if sharding.active_ways("layers") > 1:
+        return model.pipelined_loss(batch, dropout_keys)
     x = model.features(batch["inputs"], dropout_key=dropout_keys)  # [B, T, D]
     return kernels.get(model.config.kernels).cross_entropy(model, x, batch["targets"])
 

@@ -83,6 +83,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
         try:
             if resume:
                 restore(run)
+            else:
+                _into_layout(run)
             write_run_files(run)
             interrupted = run_loop(run)
         finally:
@@ -109,7 +111,10 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
     return preset, mesh, sharding.check_layout(
         preset, mesh, model=train_cfg.model, num_layers=model_cfg.num_layers,
         batch_size=train_cfg.batch_size, accumulation=train_cfg.microbatches,
-        pipeline=sharding.Pipeline(microbatches=train_cfg.pipeline_microbatches))
+        seq_len=train_cfg.seq_len or model_cfg.context_len,
+        pipeline=sharding.Pipeline(microbatches=train_cfg.pipeline_microbatches,
+                                   schedule=train_cfg.pipeline_schedule,
+                                   repeats=train_cfg.pipeline_repeats))
 
 
 def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.Preset, mesh,
@@ -166,6 +171,7 @@ def restore(run: Run) -> None:
     if restored["skipped"] and jax.process_count() > 1:
         multihost_utils.sync_global_devices("minigpt: damaged checkpoints set aside")
         run.checkpointer.reload()
+    _into_layout(run)
     log(f"resumed from {run.checkpointer.directory / str(run.step)} at step {run.step}")
     saved = load_run_config(run.out / "config.json")["train"]
     _continue_schedule(run, TrainConfig(**{**saved, "data": tuple(saved["data"])}))
@@ -297,8 +303,30 @@ def _record(run: Run, recorder: metrics.Recorder, step: int, reported) -> None:
             out=run.out, latest_checkpoint=run.checkpointer.latest_step())
 
 
+def _into_layout(run: Run, *, back: bool = False) -> None:
+    """A circular schedule runs with each stage's chunks side by side in the stacked arrays
+    (`pipeline.schedules.layer_order`); checkpoints keep the model's order. Move the model and
+    its optimizer state into the run's order (or `back`), once."""
+    order = _circular_order(run)
+    if order is not None:
+        order = np.argsort(order) if back else order
+        for obj in (run.model, run.optimizer):
+            nnx.update(obj, pipeline.reorder_layers(nnx.state(obj), order))
+
+
+def _circular_order(run: Run) -> np.ndarray | None:
+    if run.pipeline.repeats == 1 or not run.pipeline.microbatches:
+        return None
+    stages = run.mesh.shape[sharding.pipeline_axis(run.preset.rules)]
+    return pipeline.schedules.layer_order(run.model_cfg.num_layers, stages,
+                                          run.pipeline.repeats)
+
+
 def _save(run: Run) -> None:
-    run.checkpointer.save(run.step, run.model, run.optimizer,
+    order = _circular_order(run)
+    layout = None if order is None else (
+        lambda state: pipeline.reorder_layers(state, np.argsort(order)))
+    run.checkpointer.save(run.step, run.model, run.optimizer, layout=layout,
                           data_state=run.batches.get_state(), rng=run.rng)
 
 
@@ -334,7 +362,8 @@ def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
         summary["eval_loss"] = next(
             (r["eval_loss"] for r in reversed(records) if "eval_loss" in r), None)
     if sample:
-        with sharding.use_preset(run.preset, run.mesh, run.pipeline):
+        _into_layout(run, back=True)  # generation runs the layers in the model's order
+        with sharding.use_preset(run.preset, run.mesh):
             story = generate(run.model, load_tokenizer(run.tokenizer), ["Once upon a time"],
                              max_new_tokens=100, temperature=0.8, top_k=50,
                              rng=jax.random.key(run.train_cfg.seed))[0]

@@ -29,10 +29,12 @@ pytestmark = pytest.mark.usefixtures("gpt2")  # skipped, saying why, where it ca
 
 
 def config(data_dir, out, preset="fsdp", steps=STEPS) -> TrainConfig:
+    """A short run; the 3-D preset runs the 1F1B schedule (the other pipeline one, GPipe)."""
     return TrainConfig(preset=preset, model="minigpt-tiny", data=(str(data_dir),), out=str(out),
                        steps=steps, decay_steps=STEPS, batch_size=8, seq_len=32, lr=3e-3,
                        warmup_steps=1, eval_every=STEPS, eval_batches=1, save_every=2,
-                       log_every=1, pipeline_microbatches=2)
+                       log_every=1, pipeline_microbatches=2,
+                       pipeline_schedule="1f1b" if preset == "dp_pp_tp" else "gpipe")
 
 
 def cli_args(cfg: TrainConfig, *, resume=False) -> list[str]:
@@ -41,7 +43,7 @@ def cli_args(cfg: TrainConfig, *, resume=False) -> list[str]:
             str(cfg.seq_len), "--lr", str(cfg.lr), "--eval-every", str(cfg.eval_every),
             "--save-every", str(cfg.save_every), "--no-sample"]
     for field in ("decay_steps", "warmup_steps", "eval_batches", "log_every",
-                  "pipeline_microbatches"):
+                  "pipeline_microbatches", "pipeline_schedule"):
         args += ["--set", f"{field}={getattr(cfg, field)}"]
     return args + (["--resume"] if resume else [])
 
@@ -80,9 +82,10 @@ def reference(data_dir, tmp_path_factory, preset: str) -> list[float]:
 
 
 # Real multi-process jobs are part of the slower set (`python -m pytest -m slow`). Under dp_pp
-# the two pipeline stages are the two processes: activations cross between processes.
+# and dp_pp_tp the two pipeline stages are the two processes: activations and gradients cross
+# between processes.
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["fsdp", "dp_tp", "dp_pp"])
+@pytest.mark.parametrize("preset", ["fsdp", "dp_tp", "dp_pp", "dp_pp_tp"])
 def test_two_processes_train_like_one(data_dir, tmp_path, tmp_path_factory, preset):
     out = launch(config(data_dir, tmp_path / "run", preset), tmp_path)
     assert "mesh {" in out and "checkpoint:" in out

@@ -53,6 +53,8 @@ EXPECTED_SPECS = {
     "dp_pp": (dict.fromkeys(_TP, ()), "stage"),
     "fsdp_pp": (_FSDP, "stage"),
     "pp_tp": (_TP, "stage"),
+    "dp_pp_tp": (_TP, "stage"),
+    "fsdp_pp_tp": (_FSDP_TP, "stage"),
 }
 
 
@@ -73,8 +75,8 @@ def normalised(spec) -> tuple:
 
 
 def test_the_promised_presets_exist_and_each_has_its_expected_table():
-    assert {"dp", "fsdp", "dp_tp", "tp", "fsdp_tp", "pp", "dp_pp", "fsdp_pp", "pp_tp"} <= set(
-        PRESETS)
+    assert {"dp", "fsdp", "dp_tp", "tp", "fsdp_tp", "pp", "dp_pp", "fsdp_pp", "pp_tp",
+            "dp_pp_tp", "fsdp_pp_tp"} <= set(PRESETS)
     assert set(PRESETS) == set(EXPECTED_SPECS)
 
 

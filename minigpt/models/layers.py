@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from minigpt import kernels, pipeline, sharding
@@ -238,11 +239,12 @@ class BlockStack(nnx.Module):
     The layout is the same however the stack runs, so a checkpoint moves between all of them:
     `scan_layers` runs the layers with `lax.scan` (the compiled program holds one block however
     deep the model is), otherwise as an unrolled loop over the stack's slices; under a preset
-    that splits `layers` over several devices (a pipeline preset) training runs the stack as a
-    GPipe pipeline (`minigpt.pipeline`) in the microbatches the context's pipeline settings
-    say. A block is called as `block(x, positions, kv, keys) -> (x, kv)`; layer i draws its
-    dropout masks from every row's key folded with i. The stack owns the layout of the
-    key/value cache ([L, B, S, K, H] keys and values), so callers treat the cache as opaque.
+    that splits `layers` over several devices (a pipeline preset) training runs the model as a
+    pipeline (`DecoderLM.pipelined_loss`), chunk by chunk (`run_chunk`), as the context's
+    pipeline settings say. A block is called as `block(x, positions, kv, keys) -> (x, kv)`;
+    layer i draws its dropout masks from every row's key folded with i. The stack owns the
+    layout of the key/value cache ([L, B, S, K, H] keys and values), so callers treat the
+    cache as opaque.
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], cfg: ModelConfig, *,
@@ -258,20 +260,17 @@ class BlockStack(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None):
         graphdef, params = nnx.split(self.layers)
-        stages = sharding.active_ways("layers")
-        if cache is not None or stages == 1:
-            return self._run(graphdef, params, x, positions, cache, keys, first_layer=0)
-        per_stage = self.num_layers // stages
+        order = pipeline.positions_in_use(self.num_layers)
+        if order is not None:  # the arrays hold a circular schedule's order: run the model's
+            params = jax.tree.map(lambda a: a[np.argsort(order)], params)
+        return self._run(graphdef, params, x, positions, cache, keys, first_layer=0)
 
-        def stage(params, x, extras, index):
-            positions, keys = extras
-            return self._run(graphdef, params, x, positions, None, keys,
-                             first_layer=index * per_stage)[0]
-
-        microbatches = (sharding.active().pipeline.microbatches
-                        or sharding.default_microbatches(stages))
-        return pipeline.gpipe(stage, params, x, (positions, keys),
-                              microbatches=microbatches), None
+    def run_chunk(self, params, x: jax.Array, positions: jax.Array, keys: jax.Array | None,
+                  first_layer) -> jax.Array:
+        """Apply the consecutive layers whose stacked parameters are `params` (a slice of the
+        stack's state, [c, ...]), numbered from `first_layer`: one pipeline stage's chunk."""
+        return self._run(nnx.graphdef(self.layers), params, x, positions, None, keys,
+                         first_layer=first_layer)[0]
 
     def _run(self, graphdef, params, x, positions, cache, keys, *, first_layer):
         """Apply the layers whose stacked parameters are `params`, numbered from first_layer."""
@@ -302,6 +301,19 @@ class BlockStack(nnx.Module):
         axes = ("layers", "batch", None, "kv_heads", "kv")
         return tuple(constrain(jnp.zeros((self.num_layers, *shape), dtype), axes)
                      for _ in range(2))
+
+
+def _lookup_ready(state):
+    """The state with its lookup tables' embedding axis gathered: inside a pipeline stage with
+    two other mesh axes (the 3-D presets), XLA cannot partition a lookup into a table split
+    along its embedding axis; FSDP gathers every weight it uses all the same."""
+    def one(var):
+        axes = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
+        if axes and len(axes) == 2 and axes[1] == "embed":  # [vocab or positions, embed]
+            return var.replace(constrain(var.get_value(), (axes[0], None)))
+        return var
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _with_own_kernels(method):
@@ -359,6 +371,37 @@ class DecoderLM(nnx.Module):
         x = constrain(self.embed(tokens, positions, embed_keys), ACTIVATION_AXES)  # [B, T, D]
         x, _ = self.blocks(x, positions, None, keys)
         return x
+
+    @_with_own_kernels
+    def pipelined_loss(self, batch: dict[str, jax.Array], keys: jax.Array | None) -> jax.Array:
+        """Mean next-token cross-entropy of a batch under a pipeline preset, the embedding, the
+        block stack and the head handed to `minigpt.pipeline` as the schedule's pieces.
+
+        Same value and gradients as `kernels.cross_entropy(model, model.features(...))` with
+        the same per-row dropout keys; how the batch goes through the stages is the context's
+        pipeline settings.
+        """
+        cfg = self.config
+        graphdef, blocks, rest = nnx.split(self, nnx.PathContains("blocks"), ...)
+        stand_in = kernels.placeholders(blocks)  # the embedding and head never read them
+        B, T = batch["inputs"].shape
+        inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "keys": keys,
+                  "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
+
+        def embed(rest, mb):
+            model = nnx.merge(graphdef, stand_in(), _lookup_ready(rest))
+            keys = None if mb["keys"] is None else fold_keys(mb["keys"], cfg.num_layers)
+            return constrain(model.embed(mb["tokens"], mb["positions"], keys), ACTIVATION_AXES)
+
+        def stage(chunk, x, mb, first_layer):
+            return self.blocks.run_chunk(chunk["blocks"]["layers"], x, mb["positions"],
+                                         mb["keys"], first_layer)
+
+        def head(rest, y, targets):
+            model = nnx.merge(graphdef, stand_in(), rest)
+            return kernels.active().cross_entropy(model, y, targets) * targets.size
+
+        return pipeline.loss(embed, stage, head, rest, blocks, inputs)
 
     @_with_own_kernels
     def logits(self, x: jax.Array) -> jax.Array:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt.config import ConfigError
+from minigpt.config import PIPELINE_SCHEDULES, ConfigError
 from minigpt.sharding.context import (
     Context,
     Pipeline,
@@ -33,9 +33,12 @@ from minigpt.sharding.context import (
     constrain,
     default_microbatches,
     jit,
+    lay_out,
     logical_to_spec,
     running,
     use_preset,
+    varying_as,
+    without_axis,
 )
 from minigpt.sharding.presets import (
     LOGICAL_AXES,
@@ -56,10 +59,10 @@ from minigpt.sharding.presets import (
 __all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "MeshAxes", "Pipeline", "Preset",
            "PresetError", "Rules", "active", "active_ways", "available_presets",
            "batch_divisor", "batch_share", "batch_sharding", "check_divisible", "check_layout",
-           "constrain", "create_sharded", "default_microbatches", "describe", "jit",
+           "constrain", "create_sharded", "default_microbatches", "describe", "jit", "lay_out",
            "load_preset", "logical_to_spec", "make_mesh", "mesh_axes_in", "pipeline_axis",
            "put_batch", "put_batch_fn", "resolve_mesh_shape", "resolve_spec", "running",
-           "state_shardings", "use_preset", "ways"]
+           "state_shardings", "use_preset", "varying_as", "ways", "without_axis"]
 
 
 def _path_name(path: tuple) -> str:
@@ -143,25 +146,27 @@ def pipeline_axis(rules: Rules | None = None) -> str | None:
 
 
 def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
-                 batch_size: int | None = None, accumulation: int = 1,
+                 batch_size: int | None = None, accumulation: int = 1, seq_len: int | None = None,
                  pipeline: Pipeline | None = None) -> Pipeline:
     """Refuse batch and pipeline settings the preset cannot split evenly, before anything
     compiles (the trainer and the explainer both ask); return `pipeline` with its microbatches
-    resolved (0 where the preset has no pipeline). Without a batch size only the layers are
-    checked."""
+    resolved (0 where the preset has no pipeline). Without a batch size only the layers and the
+    schedule are checked."""
     pipeline = pipeline or Pipeline()
     try:
         axis = pipeline_axis(preset.rules)
     except PresetError as error:
         raise PresetError(f"preset {preset.name!r}: {error}") from None
     stages = mesh.shape[axis] if axis else 1
-    if stages > 1 and num_layers % stages:
-        raise PresetError(
-            f"preset {preset.name!r} splits the layers into {stages} pipeline stages, but model "
-            f"{model!r} has {num_layers} layer(s), which {stages} stages cannot share evenly: "
-            f"choose a model whose layer count divides by {stages}, or another preset")
     pieces = (pipeline.microbatches or default_microbatches(stages)) if stages > 1 else 0
     pipeline = dataclasses.replace(pipeline, microbatches=pieces)
+    if stages > 1:
+        _check_stages(preset, stages, model, num_layers, pipeline)
+    if seq_len is not None and seq_len % stages:
+        raise ConfigError(
+            f"train.seq_len {seq_len} does not divide by the {stages} pipeline stages of preset "
+            f"{preset.name!r}, which share the output head's work by positions: choose a "
+            f"multiple of {stages}")
     if batch_size is None:
         return pipeline
     per_micro = batch_size // accumulation
@@ -170,8 +175,38 @@ def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
             f"train.pipeline_microbatches {pieces} does not divide the {per_micro} sequences of "
             f"each batch the pipeline runs (batch size {batch_size} / {accumulation} "
             f"accumulation microbatch(es)): choose a divisor")
+    _check_batch(preset, mesh, batch_size, accumulation, pieces)
+    return pipeline
+
+
+def _check_stages(preset: Preset, stages: int, model: str, num_layers: int,
+                  pipeline: Pipeline) -> None:
+    """The layers, chunks and schedule a pipeline of `stages` stages can run."""
+    S, M, R = stages, pipeline.microbatches, pipeline.repeats
+    if num_layers % S:
+        raise PresetError(
+            f"preset {preset.name!r} splits the layers into {S} pipeline stages, but model "
+            f"{model!r} has {num_layers} layer(s), which {S} stages cannot share evenly: "
+            f"choose a model whose layer count divides by {S}, or another preset")
+    if pipeline.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"unknown train.pipeline_schedule {pipeline.schedule!r}: choose one "
+                          f"of {', '.join(PIPELINE_SCHEDULES)}")
+    if R > 1 and (num_layers // S) % R:
+        raise ConfigError(
+            f"train.pipeline_repeats {R} does not divide the {num_layers // S} layer(s) each of "
+            f"the {S} stages holds: choose a divisor, so each stage holds {R} equal chunks")
+    if R > 1 and pipeline.schedule != "gpipe":
+        raise ConfigError(f"train.pipeline_repeats {R} (the circular schedule) runs with "
+                          f"train.pipeline_schedule=gpipe, not {pipeline.schedule}")
+    if R > 1 and M < S:
+        raise ConfigError(
+            f"the circular schedule needs at least as many microbatches as stages: "
+            f"train.pipeline_microbatches {M} < {S} stages")
+
+
+def _check_batch(preset: Preset, mesh, batch_size: int, accumulation: int, pieces: int) -> None:
     split = batch_divisor(preset, mesh)
-    per_piece = per_micro // max(pieces, 1)
+    per_piece = batch_size // accumulation // max(pieces, 1)
     if per_piece % split:
         pieces_text = f" and {pieces} pipeline microbatches" if pieces else ""
         raise ConfigError(
@@ -179,7 +214,6 @@ def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
             f"{per_piece} sequences per piece, which preset {preset.name!r} must split {split} "
             f"ways over its batch axes {preset.mesh_axes_of('batch')}: choose a batch size that "
             f"is a multiple of {split * accumulation * max(pieces, 1)}")
-    return pipeline
 
 
 def batch_share(preset: Preset, mesh, batch_size: int) -> tuple[int, int]:

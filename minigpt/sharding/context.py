@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt.sharding.presets import Preset, Rules, resolve_spec, ways
+from minigpt.sharding.presets import Preset, Rules, mesh_axes_in, resolve_spec, ways
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,8 @@ class Pipeline:
     (every choice computes the same losses and gradients)."""
 
     microbatches: int = 0  # M: pieces each batch goes through the stages in; 0: two per stage
+    schedule: str = "gpipe"  # minigpt.pipeline.schedules: "gpipe" or "1f1b"
+    repeats: int = 1  # R > 1: the circular schedule, each stage holding R chunks of layers
 
 
 def default_microbatches(stages: int) -> int:
@@ -110,6 +112,44 @@ def jit(fn: Callable | None = None, *, static_argnames: Sequence[str] = (), **ji
     if fn is None:
         return functools.partial(jit, static_argnames=static_argnames, **jit_kwargs)
     return _ContextJit(fn, static_argnames, **jit_kwargs)
+
+
+def varying_as(tree, *like):
+    """`tree`'s arrays typed as varying over every manual mesh axis some array of `like` varies
+    over: inside `shard_map`, a loop's carry and the two branches of a `cond` must agree on it.
+    Outside a manual region, the arrays as they are."""
+    axes: set[str] = set()
+    for leaf in jax.tree.leaves(like):
+        axes |= set(jax.typeof(leaf).manual_axis_type.varying)
+
+    def one(x):
+        missing = tuple(sorted(axes - set(jax.typeof(x).manual_axis_type.varying)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def lay_out(state):
+    """An NNX state (or a tree of its gradients) with every array constrained to where the active
+    rules put its Variable's logical axes: two branches of a `cond` that compute such trees
+    must agree on their layout. Arrays outside Variables are left as they are."""
+    def one(var):
+        if not isinstance(var, nnx.Variable):
+            return var
+        axes = var.get_metadata().get("out_sharding")
+        return var.replace(constrain(var.get_value(), axes)) if axes else var
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def without_axis(rules: Rules, axis: str) -> Rules:
+    """The rules with mesh axis `axis` taken out of every entry: inside a region that is manual
+    over `axis` (a pipeline's stages), nothing may be laid out over it."""
+    def drop(entry):
+        kept = tuple(a for a in mesh_axes_in(entry) if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return tuple((name, drop(entry)) for name, entry in rules)
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> jax.P:

@@ -1,0 +1,297 @@
+"""Pipeline parallelism: the block stack run as a schedule over the mesh axis of `layers`.
+
+Under a preset with the rule `layers = "stage"`, every stacked block parameter [L, ...] is split
+into S slices, one per stage of the `stage` mesh axis. The train step runs the model as a
+pipeline, SPMD: the batch is cut into M microbatches (every M-th row, so each device keeps its
+own rows), and a loop of ticks executes a schedule's table (`minigpt.pipeline.schedules`): at
+each tick every stage may run the forward of one microbatch through one of its chunks of layers
+and the backward of another, recomputing the chunk from the input it stashed (`jax.vjp`).
+Activations move to the next stage and gradients to the previous one by collective permutes
+carried in the loop. The embedding runs on the first stage as a microbatch enters; the output
+head and the loss run as a microbatch leaves the last stage, its positions split over all S
+stages (a reduce-scatter of the last stage's output, each stage 1/S of the head's work, and an
+all-gather of the gradient back), so no stage computes the head for the whole batch.
+
+The gradients are written out by hand, inside the loop, rather than left to autodiff: that is
+what lets 1F1B interleave forwards and backwards in one program, and what keeps a stage's stash
+to the inputs its schedule says are alive. To autodiff the result is one function with a custom
+VJP (`loss`): its forward runs the loop and returns the gradients with the loss; evaluation,
+which needs no gradients, runs the forwards alone.
+
+Only `stage` is manual inside the loop (`jax.shard_map` over that one axis); every other mesh
+axis (data, fsdp, model) keeps its automatic sharding, so pipeline presets compose with the
+others. This module knows the mesh through `minigpt.sharding` only; models hand it an embedding,
+a chunk of layers and a head as functions and never name a mesh axis.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from minigpt import sharding
+from minigpt.pipeline import schedules
+from minigpt.pipeline.schedules import Schedule
+
+
+def split_microbatches(x: jax.Array, count: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...] taking every M-th row, so that each device keeps its own rows
+    of every microbatch when the batch dimension is sharded (no data moves between devices)."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // count, count, *x.shape[1:]), 0, 1)
+
+
+def join_microbatches(x: jax.Array) -> jax.Array:
+    """The inverse of `split_microbatches`: [M, B/M, ...] -> [B, ...]."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The share of a step each stage spends idle: (S - 1) / (R M + S - 1), the same for GPipe
+    and 1F1B (R = 1) and for the circular schedule (R > 1)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+@functools.cache
+def table(settings: sharding.Pipeline, stages: int) -> Schedule:
+    """The schedule table for these pipeline settings on `stages` stages."""
+    return schedules.make(settings.schedule, stages, settings.microbatches, settings.repeats)
+
+
+def describe(stages: int, num_layers: int, settings: sharding.Pipeline, *,
+             sequences: int) -> str:
+    """One line saying how the stack runs: stages and chunks, the schedule, microbatches of
+    `sequences`, the bubble and the stage inputs each stage keeps for its backward."""
+    S, M, R = stages, settings.microbatches, settings.repeats
+    c = num_layers // (R * S)
+    chunks = (f"{R} chunks of {c} layer(s) each, circular" if R > 1 else
+              f"{num_layers // S} layer(s) each")
+    return (f"pipeline: {S} stages of {chunks}; schedule {settings.schedule}, {M} microbatches of "
+            f"{sequences // M} sequences; bubble (S - 1) / (R M + S - 1) = "
+            f"{bubble_fraction(S, M, R):.1%} of each step; each stage keeps up to "
+            f"{table(settings, S).stash_size} microbatch inputs for its backward")
+
+
+def positions_in_use(num_layers: int) -> np.ndarray | None:
+    """Under a circular schedule (repeats > 1 on a pipeline preset), the order the stacked
+    arrays hold the layers in (`schedules.layer_order`); None where it is the model's order."""
+    stages, settings = sharding.active_ways("layers"), sharding.active().pipeline
+    if stages == 1 or settings.repeats == 1:
+        return None
+    return schedules.layer_order(num_layers, stages, settings.repeats)
+
+
+def reorder_layers(state, positions: np.ndarray):
+    """An NNX state (parameters or optimizer state) whose stacked arrays, those with a leading
+    `layers` axis, hold their layers in `positions` order: position i gets layer positions[i].
+    One collective per array, with each array's sharding kept: a run enters or leaves the
+    circular order with it once, never per step."""
+    index = jnp.asarray(positions)
+
+    def one(var):
+        if not isinstance(var, nnx.Variable):
+            return var
+        axes = var.get_metadata().get("out_sharding") or ()
+        if axes[:1] != ("layers",):
+            return var
+        value = var.get_value()
+        moved = jax.jit(lambda a: a[index], out_shardings=value.sharding)(value)
+        return var.replace(moved)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def zeros_like(tree):
+    """Zeros shaped like every array of a tree (a state keeps its Variables and metadata)."""
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
+         activation_axes: tuple[str, ...]):
+    """Execute the table `plan` on this stage (inside shard_map over the stage axis); returns
+    the loss summed over every position and, with `grads`, the gradients of the rest and of this
+    stage's share of the stack (float32, summed).
+
+    It is long because one tick is one loop body: forward, head, backward, then what moves
+    between the stages; the steps read best together, in the order they run.
+    """
+    embed, stage_fn, head = fns
+    S, M, R = plan.stages, plan.microbatches, plan.repeats
+    s = jax.lax.axis_index(axis)
+    here = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
+
+    def settled(tree):
+        """Typed as differing from stage to stage, and laid out as the rules say (parameters
+        by their logical axes, activations and their buffers as `activation_axes`): a loop's
+        carry and the two branches of a `cond` must agree on both."""
+        def one(x):
+            if isinstance(x, nnx.Variable):
+                return sharding.lay_out(x)
+            extra = x.ndim - len(activation_axes)
+            return sharding.constrain(x, (None,) * extra + activation_axes) if extra >= 0 else x
+
+        laid = jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return sharding.varying_as(laid, here)
+
+    def cond(pred, on, off):
+        return jax.lax.cond(pred, lambda: settled(on()), lambda: settled(off()))
+
+    def f32(tree):
+        return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+    # Each stage differentiates its own copy of the replicated parameters, so their gradients
+    # stay partial sums, added up over the stages once at the end (not at every use).
+    rest = settled(rest)
+    c = jax.tree.leaves(blocks)[0].shape[0] // R  # layers per chunk
+    xs = jax.tree.map(lambda a: split_microbatches(a, M), inputs)
+    T = inputs["targets"].shape[1]
+    at = {name: jnp.asarray(getattr(plan, name)) for name in (
+        "fwd_mb", "fwd_round", "fwd_src", "fwd_stash", "bwd_mb", "bwd_round", "bwd_stash",
+        "bwd_src", "recv_fwd", "recv_bwd", "head_mb", "head_slot")}
+
+    def micro(m):
+        return jax.tree.map(lambda a: a[jnp.maximum(m, 0)], xs)
+
+    def chunk(r):
+        r = jnp.maximum(r, 0)
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, r * c, c), blocks)
+
+    def first_layer(r):
+        return (jnp.maximum(r, 0) * S + s) * c
+
+    act = jax.eval_shape(embed, rest, micro(0))  # [b, T, D]: what moves between stages
+
+    def zeros(shape_of=act, dtype=None):
+        return jnp.zeros(shape_of.shape, dtype or shape_of.dtype)
+
+    def pick(buf, slot):
+        return buf[jnp.maximum(slot, 0)]
+
+    def put(buf, slot, value, ok):
+        i = jnp.maximum(slot, 0)
+        return buf.at[i].set(jnp.where(ok, value, buf[i]))
+
+    def tick(carry, t):
+        inbox, ginbox, stash, d_rest, d_blocks, loss = carry
+        # Forward of one microbatch's chunk, its input from the embedding or the inbox.
+        fm, fr, src = at["fwd_mb"][t, s], at["fwd_round"][t, s], at["fwd_src"][t, s]
+        mb = micro(fm)
+        x = cond((fm >= 0) & (src < 0), lambda: embed(rest, mb), lambda: pick(inbox, src))
+        y = cond(fm >= 0, lambda: stage_fn(chunk(fr), x, mb, first_layer(fr)), zeros)
+        stash = put(stash, at["fwd_stash"][t, s], x, fm >= 0)
+        # The head, on 1/S of the positions each, for a microbatch whose last chunk just ended.
+        hm = at["head_mb"][t]
+
+        def head_part():
+            ys = jax.lax.psum_scatter(jnp.where(s == S - 1, y, 0), axis, scatter_dimension=1,
+                                      tiled=True)  # [b, T/S, D]: this stage's positions
+            targets = jax.lax.dynamic_slice_in_dim(micro(hm)["targets"], s * (T // S), T // S,
+                                                   axis=1)
+            if not grads:
+                return head(rest, ys, targets), f32(zeros_like(rest)), zeros()
+            value, pull = jax.vjp(lambda r_, y_: head(r_, y_, targets), rest, ys)
+            d_r, d_ys = pull(settled(jnp.ones((), value.dtype)))
+            d_y = jax.lax.all_gather(d_ys, axis, axis=1, tiled=True)
+            return value, f32(d_r), d_y.astype(act.dtype)
+
+        h_loss, d_rest_h, d_y = cond(hm >= 0, head_part, lambda: (
+            jnp.zeros((), jnp.float32), f32(zeros_like(rest)), zeros()))
+        loss, d_rest = loss + h_loss, jax.tree.map(jnp.add, d_rest, d_rest_h)
+        if grads:
+            ginbox = put(ginbox, at["head_slot"][t], d_y, (hm >= 0) & (s == S - 1))
+            # Backward of an earlier microbatch's chunk, recomputed from its stashed input.
+            bm, br = at["bwd_mb"][t, s], at["bwd_round"][t, s]
+            mbb = micro(bm)
+
+            def back():
+                x_b, g = pick(stash, at["bwd_stash"][t, s]), pick(ginbox, at["bwd_src"][t, s])
+                _, pull = jax.vjp(lambda p, x_: stage_fn(p, x_, mbb, first_layer(br)),
+                                  chunk(br), x_b)
+                d_p, d_x = pull(g)
+
+                def into_embedding():
+                    _, pull_e = jax.vjp(lambda r_: embed(r_, mbb), rest)
+                    return f32(pull_e(d_x)[0])
+
+                d_e = cond((br == 0) & (s == 0), into_embedding, lambda: f32(zeros_like(rest)))
+                return f32(d_p), d_x, d_e
+
+            d_p, d_x, d_e = cond(bm >= 0, back, lambda: (
+                f32(zeros_like(chunk(0))), zeros(), f32(zeros_like(rest))))
+            br = jnp.maximum(br, 0)
+            d_blocks = jax.tree.map(
+                lambda acc, d: jax.lax.dynamic_update_slice_in_dim(
+                    acc, jax.lax.dynamic_slice_in_dim(acc, br * c, c) + d, br * c, 0),
+                d_blocks, d_p)
+            d_rest = jax.tree.map(jnp.add, d_rest, d_e)
+            # The gradient of this chunk's input goes back to the stage before.
+            g_in = jax.lax.ppermute(d_x, axis, [(i, (i - 1) % S) for i in range(S)])
+            ginbox = put(ginbox, at["recv_bwd"][t, s], g_in, at["recv_bwd"][t, s] >= 0)
+        # The output goes on to the next stage (from the last, round the ring: circular).
+        y_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % S) for i in range(S)])
+        inbox = put(inbox, at["recv_fwd"][t, s], y_in, at["recv_fwd"][t, s] >= 0)
+        return settled((inbox, ginbox, stash, d_rest, d_blocks, loss)), None
+
+    def buffer(n):
+        return jnp.zeros((n, *act.shape), act.dtype)
+
+    init = settled((buffer(plan.inbox_size), buffer(plan.grad_inbox_size if grads else 1),
+                    buffer(plan.stash_size if grads else 1), f32(zeros_like(rest)),
+                    f32(zeros_like(blocks)), jnp.zeros((), jnp.float32)))
+    (_, _, _, d_rest, d_blocks, loss), _ = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
+    return jax.lax.psum(loss, axis), jax.lax.psum(d_rest, axis), d_blocks
+
+
+def loss(embed: Callable, stage: Callable, head: Callable, rest, blocks, inputs, *,
+         activation_axes: tuple[str, ...] = ("batch", "seq", "embed")) -> jax.Array:
+    """Mean loss over every token of `inputs`, the model run as the context's pipeline says.
+
+    `rest` holds the parameters outside the block stack (replicated over the stages), `blocks`
+    the stacked [layers, ...] ones (split over them); `inputs` is a dict of [B, ...] arrays with
+    "targets" [B, T] among them (others may be None). The model comes as three functions:
+    `embed(rest, mb) -> x [b, T, D]` for microbatch `mb` (`inputs` cut to its rows), `stage(chunk,
+    x, mb, first_layer) -> x` for a chunk of the stacked parameters whose first layer is
+    `first_layer`, and `head(rest, y, targets) -> the loss summed over those positions` for
+    outputs y [b, t, D] of some positions and their targets [b, t].
+
+    Differentiable: the forward computes every gradient with the loss (the schedule's
+    backwards), the VJP scales them.
+    """
+    axis = sharding.pipeline_axis()
+    plan = table(sharding.active().pipeline, sharding.active_ways("layers"))
+    fns = (embed, stage, head)
+
+    def staged(grads, rest, blocks, inputs):
+        def run(*args):
+            # `axis` is manual in here: the pieces lay nothing out over it.
+            with sharding.running(rules=sharding.without_axis(sharding.active().rules, axis)):
+                return _run(plan if grads else plan.forward_only(), fns, axis, *args,
+                            grads=grads, activation_axes=activation_axes)
+
+        return jax.shard_map(run, in_specs=(jax.P(), jax.P(axis), jax.P()),
+                             out_specs=(jax.P(), jax.P(), jax.P(axis)), axis_names={axis})(
+            rest, blocks, inputs)
+
+    count = inputs["targets"].size
+
+    @jax.custom_vjp
+    def value(rest, blocks, inputs):
+        return staged(False, rest, blocks, inputs)[0] / count
+
+    def forward(rest, blocks, inputs):
+        total, d_rest, d_blocks = staged(True, rest, blocks, inputs)
+        return total / count, (d_rest, d_blocks, inputs)
+
+    def backward(res, g):
+        d_rest, d_blocks, inputs = res
+        scale = g / count
+        return (jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), d_rest, rest),
+                jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), d_blocks, blocks),
+                jax.tree.map(lambda _: None, inputs))
+
+    value.defvjp(forward, backward)
+    return value(rest, blocks, inputs)

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 # Orbax writes a checkpoint to `<step>.orbax-checkpoint-tmp-<time>` and renames it when complete.
 TEMPORARY_MARK = ".orbax-checkpoint-tmp-"
@@ -180,23 +181,24 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, *,
+    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None, *,
              data_state: dict[str, Any], rng: jax.Array, force: bool = False,
              layout: Callable[[Any], Any] | None = None) -> bool:
         """Start saving a checkpoint for `step`; returns False if one already exists.
 
         `layout` maps the model's and the optimizer's state to what is stored (a run that
-        keeps its layers in another order stores them in the model's)."""
+        keeps its layers in another order stores them in the model's). Without an optimizer
+        only the weights are stored (imported weights): they restore for generation and as a
+        new run's starting point, not for resuming."""
         if step in self._manager.all_steps():
             return False
         layout = layout or (lambda state: state)
         meta = {"step": step, "rng": np.asarray(jax.random.key_data(rng)).tolist()}
-        args = ocp.args.Composite(
-            model=ocp.args.StandardSave(layout(nnx.state(model))),
-            optimizer=ocp.args.StandardSave(layout(nnx.state(optimizer))),
-            data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta),
-        )
+        items = {"model": ocp.args.StandardSave(layout(nnx.state(model))),
+                 "data": ocp.args.JsonSave(data_state), "meta": ocp.args.JsonSave(meta)}
+        if optimizer is not None:
+            items["optimizer"] = ocp.args.StandardSave(layout(nnx.state(optimizer)))
+        args = ocp.args.Composite(**items)
         return self._manager.save(step, args=args, force=force)
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None,
@@ -262,6 +264,19 @@ class Checkpointer:
         self.reload()
         return target
 
+    def set_aside_skipped(self, skipped: list[tuple[int, str]], destination: Path, *,
+                          writer: bool, say: Callable[[str], None]) -> None:
+        """After a restore that skipped unreadable checkpoints: move them, unchanged, to
+        `destination` (the writing process does; the others wait for it) so that the steps
+        they held can be saved again, and say so."""
+        for step, why in skipped:
+            where = self.set_aside(step, destination) if writer else destination
+            say(f"warning: checkpoint {step} cannot be read ({why}); skipped it. Its files are "
+                f"kept, unchanged, in {where}")
+        if skipped and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("minigpt: damaged checkpoints set aside")
+            self.reload()
+
     def reload(self) -> None:
         """Read the list of checkpoints from disk again (after another process changed it)."""
         self._manager.reload()
@@ -272,3 +287,28 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def has_checkpoint(directory: str | Path) -> bool:
+    """Whether `directory` holds at least one complete checkpoint."""
+    if not Path(directory).is_dir():
+        return False
+    checkpointer = Checkpointer(directory, read_only=True)
+    try:
+        return checkpointer.latest_step() is not None
+    finally:
+        checkpointer.close()
+
+
+def restore_weights(directory: str | Path, model: nnx.Module) -> dict[str, Any]:
+    """Read the newest readable checkpoint's weights in `directory` into `model` (nothing
+    else); returns what `Checkpointer.restore` does, after warning of any it skipped."""
+    checkpointer = Checkpointer(directory, read_only=True)
+    try:
+        restored = checkpointer.restore(model)
+    finally:
+        checkpointer.close()
+    for step, why in restored["skipped"]:
+        print(f"warning: checkpoint {step} in {directory} cannot be read ({why}); skipped it",
+              file=sys.stderr)
+    return restored

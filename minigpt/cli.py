@@ -43,7 +43,11 @@ from minigpt.tokenizer import TokenizerError, load_tokenizer
 USER_ERRORS = (ConfigError, PresetError, CheckpointError, DataError, TokenizerError, RunLocked)
 
 # Train fields that say which run this is: a resumed run keeps them.
-IDENTITY_FIELDS = ("data", "seed", "recipe")
+IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from")
+
+# Model fields a run started from another run's weights (--init-from) may change: how the model
+# runs, and its dropout.
+INIT_FROM_FIELDS = (*EXECUTION_FIELDS, "dropout")
 
 FLAG_FIELDS = {"preset": "preset", "data": "data", "steps": "steps", "batch_size": "batch_size",
                "seq_len": "seq_len", "lr": "lr", "seed": "seed", "out": "out",
@@ -73,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--seed", type=int)
     p.add_argument("--out", help="run directory (default runs/default)")
+    p.add_argument("--init-from", metavar="RUN",
+                   help="start a new run from RUN's latest weights (trained here, or imported "
+                        "with python -m minigpt.hub): its model and tokenizer, a fresh "
+                        "optimizer, step 0")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint "
                                                          "(the flags that started it may stay)")
     p.add_argument("--devices", type=int, default=0,
@@ -117,8 +125,12 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
     the command line checked against it and applied (see the module docstring)."""
     given = _train_flags(args)
     changes = parse_overrides(args.set)
+    if args.init_from:
+        given["init_from"] = args.init_from
     if args.resume:
         return _resumed(args, given, changes)
+    if args.init_from:
+        return _started_from(args, given, changes)
     if args.recipe:
         model_cfg, train_cfg = recipe_configs(args.recipe, model=args.model, **given)
     else:
@@ -149,10 +161,35 @@ def recipe_configs(name_or_path: str, model: str | None = None,
     return model_cfg, train_cfg
 
 
+def _started_from(args: argparse.Namespace, given: dict[str, Any],
+                  changes: dict[str, dict[str, Any]]) -> tuple[ModelConfig, TrainConfig]:
+    """A new run whose model (and tokenizer) is that of the run it starts from."""
+    source = Path(args.init_from)
+    saved = load_run_config(source / "config.json")
+    for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        if value:
+            raise ConfigError(f"--init-from takes the model and tokenizer of {source}: drop "
+                              f"{flag}")
+    fixed = sorted(set(changes["model"]) - set(INIT_FROM_FIELDS))
+    if fixed:
+        raise ConfigError(f"--init-from keeps the model of {source}: only "
+                          f"{', '.join(INIT_FROM_FIELDS)} may change (not {', '.join(fixed)})")
+    name = (saved.get("train") or {}).get("model") or saved.get("imported", {}).get(
+        "source", str(source))
+    train_fields = dict(load_recipe(args.recipe).train_fields, recipe=load_recipe(
+        args.recipe).name) if args.recipe else {}
+    model_cfg = dataclasses.replace(saved["model"], **changes["model"])
+    train_cfg = TrainConfig(**{**train_fields, **given, "model": name})
+    return model_cfg, dataclasses.replace(train_cfg, **changes["train"])
+
+
 def _resumed(args: argparse.Namespace, given: dict[str, Any],
              changes: dict[str, dict[str, Any]]) -> tuple[ModelConfig, TrainConfig]:
     out = Path(args.out or TrainConfig.out)
     saved = load_run_config(out / "config.json")
+    if "train" not in saved:
+        raise ConfigError(f"{out} holds imported weights, not a training run: start training "
+                          f"from them with --init-from {out} --out NEW")
     saved_model = saved["model"]
     saved_train = TrainConfig(**{**saved["train"], "data": tuple(saved["train"]["data"])})
     # The model the command line names, resolved as a new run would resolve it; a command line

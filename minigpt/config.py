@@ -60,6 +60,12 @@ class ModelConfig:
     # in minigpt/vocabularies (e.g. "tinystories-4k") or a .tiktoken file. Runs from before this
     # field existed used GPT-2's.
     tokenizer: str = "gpt2"
+    # Attention head size; 0: embed_dim // num_heads. Imported checkpoints may set it (Llama's
+    # `head_dim`), as attention then need not have the embedding's width.
+    head_size: int = 0
+    # Whether Llama's output head is the token embedding table (SmolLM2 ties them); GPT-2 and
+    # minigpt always tie.
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_len", "embed_dim", "num_heads", "mlp_dim",
@@ -67,7 +73,9 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.embed_dim % self.num_heads:
+        if self.head_size < 0:
+            raise ConfigError(f"model.head_size must be positive (or 0), got {self.head_size}")
+        if not self.head_size and self.embed_dim % self.num_heads:
             raise ConfigError(
                 f"model.embed_dim ({self.embed_dim}) must be divisible by "
                 f"model.num_heads ({self.num_heads})")
@@ -84,7 +92,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
+        return self.head_size or self.embed_dim // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -113,9 +121,10 @@ class TrainConfig:
     microbatches: int = 1  # gradient accumulation inside the compiled step
     # Under a pipeline preset, the pieces each (accumulation) batch goes through the stages in
     # (0: two per stage), the schedule they follow ("gpipe" or "1f1b": same numbers, 1f1b keeps
-    # fewer activations) and the chunks of layers each stage holds (R > 1: circular, gpipe).
+    # fewer activations; "": 1f1b, or gpipe when circular) and the chunks of layers each stage
+    # holds (R > 1: the circular schedule, which runs as GPipe).
     pipeline_microbatches: int = 0
-    pipeline_schedule: str = "gpipe"
+    pipeline_schedule: str = ""
     pipeline_repeats: int = 1
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
@@ -144,6 +153,9 @@ class TrainConfig:
     # config.json) and fits the learning-rate schedule to it, so the cosine ends with the time.
     time_budget: float = 0.0
     recipe: str = ""  # the recipe (recipes/*.toml) the run started from, for the record
+    # A run directory whose latest weights this run starts from (a fresh optimizer, step 0):
+    # one trained here or imported with `python -m minigpt.hub import`.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch_size", "microbatches", "log_every", "eval_every",
@@ -163,7 +175,7 @@ class TrainConfig:
         if self.pipeline_microbatches < 0:
             raise ConfigError(f"train.pipeline_microbatches must be >= 0 (0: two per stage), "
                               f"got {self.pipeline_microbatches}")
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+        if self.pipeline_schedule and self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"unknown train.pipeline_schedule {self.pipeline_schedule!r}: "
                               f"choose one of {', '.join(PIPELINE_SCHEDULES)}")
         if self.pipeline_repeats < 1:
@@ -331,9 +343,19 @@ def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**values)
 
 
-def save_run_config(path: Path, model: ModelConfig, train: TrainConfig, **extra: Any) -> None:
-    """Write config.json atomically: a crash mid-write must not leave a broken run directory."""
-    payload = {"model": dataclasses.asdict(model), "train": dataclasses.asdict(train), **extra}
+def save_run_config(path: Path, model: ModelConfig, train: TrainConfig | None,
+                    **extra: Any) -> None:
+    """Write config.json atomically: a crash mid-write must not leave a broken run directory.
+
+    A tokenizer file inside the run directory (an imported vocabulary) is recorded by its name
+    there, so the run directory can move; `train` is None for imported weights (no run yet)."""
+    model_fields = dataclasses.asdict(model)
+    tokenizer = Path(model.tokenizer)
+    if tokenizer.suffix == ".tiktoken" and tokenizer.is_absolute() and \
+            tokenizer.parent == Path(path).parent.absolute():
+        model_fields["tokenizer"] = tokenizer.name
+    payload = {"model": model_fields, **({"train": dataclasses.asdict(train)} if train else {}),
+               **extra}
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
@@ -346,5 +368,10 @@ def load_run_config(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid JSON ({e}); the run directory is damaged") from None
     # Runs from before models named their tokenizer recorded only the data's.
     payload["model"].setdefault("tokenizer", payload.get("tokenizer", "gpt2"))
+    # A vocabulary file the run directory holds is named relative to it.
+    tokenizer = payload["model"]["tokenizer"]
+    if tokenizer.endswith(".tiktoken") and not Path(tokenizer).is_absolute() and \
+            (Path(path).parent / tokenizer).is_file():
+        payload["model"]["tokenizer"] = str((Path(path).parent / tokenizer).absolute())
     payload["model"] = model_config_from_dict(payload["model"])
     return payload

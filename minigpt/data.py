@@ -28,6 +28,7 @@ from minigpt.tokenizer import (
     TokenizerError,
     load_tokenizer,
     ranks_file,
+    shipped_tokenizers,
     train_tokenizer,
 )
 
@@ -35,11 +36,17 @@ DATASETS = {"tinystories": "v1", "tinystories-v1": "v1", "tinystories-v2": "v2"}
 
 
 def _tokenizer_suffix(tokenizer: str) -> str:
-    """What a prepared directory's name gains for a tokenizer other than GPT-2's."""
+    """What a prepared directory's name gains for a tokenizer other than GPT-2's: its name, and
+    for a ranks file of one's own (an imported vocabulary is always `vocabulary.tiktoken`) the
+    start of its hash, so two vocabularies never share a directory."""
     if tokenizer == DEFAULT_TOKENIZER:
         return ""
     path = ranks_file(tokenizer)
-    return f"-{path.stem if path is not None else tokenizer}"
+    if path is None:
+        return f"-{tokenizer}"
+    if tokenizer in shipped_tokenizers():
+        return f"-{path.stem}"
+    return f"-{path.stem}-{sha256(path)[:8]}" if path.is_file() else f"-{path.stem}"
 
 
 def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
@@ -121,6 +128,19 @@ def resolve_data(data: str | Sequence[str], root: str | Path = "data",
                             f"--tokenizer {used})")
         return Path(items[0])
     return prepare_text(items, root, tokenizer=tokenizer or DEFAULT_TOKENIZER)
+
+
+def prepare_in_job(data: Sequence[str], root: str | Path, tokenizer: str) -> Path:
+    """`resolve_data` in a (possibly multi-process) job: process 0 prepares first and the others
+    wait, then reuse its files (a shared file system) or prepare their own copy."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return resolve_data(data, root, tokenizer=tokenizer)
+    data_dir = resolve_data(data, root, tokenizer=tokenizer) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("minigpt: data prepared by process 0")
+    return data_dir or resolve_data(data, root, tokenizer=tokenizer)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -91,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="simulate this many CPU devices (default: the devices present)")
     parser.add_argument("--microbatches", type=int, default=0,
                         help="pipeline microbatches M, for the bubble (default: 2 per stage)")
-    parser.add_argument("--schedule", default="gpipe", help="pipeline schedule: gpipe or 1f1b")
+    parser.add_argument("--schedule", default="",
+                        help="pipeline schedule: gpipe or 1f1b (default: 1f1b, or gpipe with "
+                             "--repeats above 1)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="chunks of layers per stage (R > 1: the circular schedule)")
     parser.add_argument("--batch-size", type=int, default=0,

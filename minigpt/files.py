@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -36,6 +36,13 @@ def replacing(path: str | Path) -> Iterator[Path]:
 def write_text_atomic(path: str | Path, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def write_chunks_atomic(path: str | Path, chunks: Iterable[bytes]) -> None:
+    """Write the chunks one after another (a large file never sits whole in memory)."""
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
 
 
 CHUNK_BYTES = 1 << 20

@@ -260,7 +260,7 @@ def load_for_generation(run: str | Path, preset_name: str = "dp"):
         raise GenerationError(str(e)) from None
     cfg = saved["model"]
     tokenizer = load_tokenizer(cfg.tokenizer)
-    if tokenizer.n_vocab != cfg.vocab_size:
+    if tokenizer.n_vocab > cfg.vocab_size:
         raise GenerationError(
             f"{run} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
             f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")

@@ -59,11 +59,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     half of it is masked by causality but computed all the same, so it counts in full.
     """
     D, F, L = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers
-    kv = cfg.kv_heads * cfg.head_dim
-    attention = D * D * 2 + D * kv * 2  # query and output, key and value
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    attention = D * q * 2 + D * kv * 2  # query and output, key and value
     mlp = D * F * (3 if cfg.arch == "llama" else 2)  # SwiGLU has a gate projection
     matmul_params = L * (attention + mlp) + D * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * L * D * seq_len
+    return 6.0 * matmul_params + 12.0 * L * q * seq_len
 
 
 def measure_matmul_peak(dtype: str = "float32", size: int = 2048, repeats: int = 5) -> float:

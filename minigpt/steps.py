@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -128,3 +129,9 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
 def eval_step(model: DecoderLM, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean loss on a batch, without dropout."""
     return loss_fn(model, batch)
+
+
+def mean_loss(model: DecoderLM, batches) -> float:
+    """The mean of `eval_step` over an iterable of placed batches, read back once at the end."""
+    losses = [eval_step(model, batch) for batch in batches]
+    return float(np.mean(jax.device_get(losses)))

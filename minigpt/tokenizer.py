@@ -6,7 +6,8 @@ trained on TinyStories that ship with minigpt as ranks files (`tinystories-4k`, 
 `.tiktoken` file works too. Either way the runtime tokenizer is a `tiktoken.Encoding`: the
 shipped vocabularies are their mergeable ranks, GPT-2's split pattern and `<|endoftext|>` as the
 last id. `train_tokenizer` makes a new one from story files (with the optional `rustbpe`
-trainer).
+trainer). A ranks file converted from a Hugging Face tokenizer (`minigpt.hf_tokenizer`) has its
+own split regex and special tokens, recorded as `pat_str` and `special_tokens` in its JSON.
 
 tiktoken fetches an encoding's BPE files from OpenAI's blob store on first use and keeps them in
 a cache directory. Without a network and without that cache it fails deep inside `requests`
@@ -22,6 +23,7 @@ import binascii
 import functools
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from importlib.metadata import version
@@ -99,8 +101,9 @@ def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> tiktoken.Encoding:
         ) from error
 
 
-def read_ranks(path: Path) -> dict[bytes, int]:
-    """A ranks file: one `<base64 token> <rank>` per line, ranks 0..n-1 (tiktoken's format)."""
+def read_ranks(path: Path, special_ids: Iterable[int] = ()) -> dict[bytes, int]:
+    """A ranks file: one `<base64 token> <rank>` per line (tiktoken's format); with the ids of
+    the special tokens, the ranks number 0..n-1 once each."""
     ranks, number = {}, 0
     try:
         lines = path.read_text(encoding="ascii").splitlines()
@@ -111,16 +114,63 @@ def read_ranks(path: Path) -> dict[bytes, int]:
         where = f" (line {number})" if number else ""
         raise TokenizerError(f"cannot read the tokenizer ranks file {path}{where}: "
                              f"{type(error).__name__}: {error}") from error
-    if sorted(ranks.values()) != list(range(len(ranks))) or len(ranks) < 256:
+    ids = sorted([*ranks.values(), *special_ids])
+    if ids != list(range(len(ids))) or len(ranks) < 256:
+        specials = " with its special tokens" if special_ids else ""
         raise TokenizerError(f"{path} is not a BPE ranks file: it must rank every byte and "
-                             f"each merge once, 0..n-1 ({len(ranks)} entries)")
+                             f"each merge once, 0..n-1{specials} ({len(ranks)} entries)")
     return ranks
 
 
+def read_provenance(path: Path) -> dict:
+    """The JSON beside a ranks file (`<name>.json`), or {} where there is none."""
+    beside = path.with_suffix(".json")
+    try:
+        provenance = json.loads(beside.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        raise TokenizerError(f"cannot read {beside}, the provenance of {path.name}: "
+                             f"{type(error).__name__}: {error}") from error
+    if not isinstance(provenance, dict):
+        raise TokenizerError(f"{beside}: the provenance of {path.name} must be a JSON object")
+    specials = provenance.get("special_tokens", {})
+    pat_str = provenance.get("pat_str", PATTERN)
+    if not (isinstance(specials, dict) and isinstance(pat_str, str)
+            and all(isinstance(i, int) for i in specials.values())):
+        raise TokenizerError(f"{beside}: special_tokens must map names to ids and pat_str must "
+                             f"be a regex string")
+    return provenance
+
+
 def _from_ranks(name: str, path: Path) -> tiktoken.Encoding:
-    ranks = read_ranks(path)
-    return tiktoken.Encoding(name=path.stem, pat_str=PATTERN, mergeable_ranks=ranks,
-                             special_tokens={EOT: len(ranks)})
+    """A ranks file as an encoding: the split regex (`pat_str`) and special tokens come from its
+    provenance JSON (converted vocabularies have both); else GPT-2's pattern and
+    `<|endoftext|>` after the last rank."""
+    provenance = read_provenance(path)
+    specials = provenance.get("special_tokens")
+    ranks = read_ranks(path, specials.values() if specials else ())
+    pat_str = provenance.get("pat_str", PATTERN)
+    try:
+        return tiktoken.Encoding(name=path.stem, pat_str=pat_str, mergeable_ranks=ranks,
+                                 special_tokens=specials or {EOT: len(ranks)})
+    except ValueError as error:  # a pat_str that tiktoken's regex engine does not compile
+        raise TokenizerError(f"{path.with_suffix('.json')}: tiktoken refuses its pat_str: "
+                             f"{error}") from error
+
+
+def keep_vocabulary(name: str, source_run: Path, run: Path) -> str:
+    """A run that starts from the weights of `source_run` keeps its own copy of the vocabulary
+    file that run holds (an imported tokenizer), so it does not depend on that directory; the
+    tokenizer name to use from now on (`name` itself for any other tokenizer)."""
+    path = Path(name)
+    if path.suffix != ".tiktoken" or path.parent != source_run.absolute():
+        return name
+    run.mkdir(parents=True, exist_ok=True)
+    for file in (path, path.with_suffix(".json")):
+        if file.is_file():
+            shutil.copy2(file, run / file.name)
+    return str((run / path.name).absolute())
 
 
 def write_ranks(ranks: dict[bytes, int], path: str | Path, provenance: dict) -> None:

@@ -27,13 +27,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from minigpt import cli, config, metrics, pipeline, runtime, schedule, sharding, steps
 from minigpt.budget import TimeBudget
-from minigpt.checkpoint import Checkpointer
+from minigpt.checkpoint import Checkpointer, has_checkpoint, restore_weights
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, load_run_config, warmup_for
-from minigpt.data import resolve_data
+from minigpt.data import prepare_in_job
 from minigpt.files import write_text_atomic
 from minigpt.generate import generate
 from minigpt.loader import batch_iterator
@@ -41,7 +40,7 @@ from minigpt.lock import hold_run_lock
 from minigpt.models import build_model
 from minigpt.runtime import log
 from minigpt.token_files import load_meta
-from minigpt.tokenizer import load_tokenizer
+from minigpt.tokenizer import keep_vocabulary, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -84,6 +83,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
             if resume:
                 restore(run)
             else:
+                if train_cfg.init_from:
+                    start_from(run, Path(train_cfg.init_from))
                 _into_layout(run)
             write_run_files(run)
             interrupted = run_loop(run)
@@ -99,6 +100,10 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
     if not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise ConfigError(f"{train_cfg.out} already holds checkpoints: pass --resume to continue "
                           f"it, or choose another --out")
+    if train_cfg.init_from and not resume and not has_checkpoint(
+            Path(train_cfg.init_from) / "checkpoints"):
+        raise ConfigError(f"--init-from {train_cfg.init_from}: it holds no checkpoint to start "
+                          f"from")
     if train_cfg.time_budget and jax.process_count() > 1:
         # Each process would time its own steps and could settle on another step count.
         raise ConfigError("a time budget is for single-process runs; in a multi-process job "
@@ -122,10 +127,12 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
     """Prepare the data and create the sharded state (nothing trained yet)."""
     if train_cfg.time_budget:  # the budget decides the step count; until then, open-ended
         train_cfg = dataclasses.replace(train_cfg, steps=10**9)
-    data_dir = _prepare_data(train_cfg, model_cfg.tokenizer)
+    data_dir = prepare_in_job(train_cfg.data, train_cfg.data_root, model_cfg.tokenizer)
     started = time.monotonic()
     meta = load_meta(data_dir)
-    if meta["vocab_size"] != model_cfg.vocab_size:
+    # A model's vocabulary may have rows its tokenizer never uses (imported checkpoints often
+    # do): the data must be in the model's tokenizer, whose ids fit the model.
+    if meta["vocab_size"] != load_tokenizer(model_cfg.tokenizer).n_vocab:
         raise ConfigError(
             f"{data_dir} was tokenized with {meta['tokenizer']!r} ({meta['vocab_size']:,} "
             f"tokens), but model {train_cfg.model!r} has a vocabulary of "
@@ -162,19 +169,20 @@ def restore(run: Run) -> None:
     restored = run.checkpointer.restore(run.model, run.optimizer)
     run.step, run.rng = restored["step"], restored["rng"]
     run.batches.set_state(restored["data_state"])
-    for step, why in restored["skipped"]:
-        damaged = run.out / "damaged-checkpoints"
-        if run.is_writer:
-            damaged = run.checkpointer.set_aside(step, damaged)
-        log(f"warning: checkpoint {step} cannot be read ({why}); skipped it. Its files are "
-            f"kept, unchanged, in {damaged}")
-    if restored["skipped"] and jax.process_count() > 1:
-        multihost_utils.sync_global_devices("minigpt: damaged checkpoints set aside")
-        run.checkpointer.reload()
+    run.checkpointer.set_aside_skipped(restored["skipped"], run.out / "damaged-checkpoints",
+                                       writer=run.is_writer, say=log)
     _into_layout(run)
     log(f"resumed from {run.checkpointer.directory / str(run.step)} at step {run.step}")
     saved = load_run_config(run.out / "config.json")["train"]
     _continue_schedule(run, TrainConfig(**{**saved, "data": tuple(saved["data"])}))
+
+
+def start_from(run: Run, source: Path) -> None:
+    """A new run (`--init-from`) starts from another run's latest weights (trained here or
+    imported by `minigpt.hub`) with a fresh optimizer at step 0."""
+    restored = restore_weights(source / "checkpoints", run.model)
+    log(f"starting from the weights of {source} at its step {restored['step']} (a fresh "
+        f"optimizer, step 0)")
 
 
 def _continue_schedule(run: Run, saved: TrainConfig) -> None:
@@ -196,6 +204,9 @@ def write_run_files(run: Run) -> None:
     if not run.is_writer:
         return
     run.out.mkdir(parents=True, exist_ok=True)
+    if run.train_cfg.init_from:  # an imported vocabulary goes with the weights
+        kept = keep_vocabulary(run.model_cfg.tokenizer, Path(run.train_cfg.init_from), run.out)
+        run.model_cfg = dataclasses.replace(run.model_cfg, tokenizer=kept)
     _write_config(run)
     path = run.out / "metrics.jsonl"
     if path.exists():  # on resume, forget metrics of steps after the checkpoint: they rerun
@@ -304,26 +315,17 @@ def _record(run: Run, recorder: metrics.Recorder, step: int, reported) -> None:
 
 
 def _into_layout(run: Run, *, back: bool = False) -> None:
-    """A circular schedule runs with each stage's chunks side by side in the stacked arrays
-    (`pipeline.schedules.layer_order`); checkpoints keep the model's order. Move the model and
-    its optimizer state into the run's order (or `back`), once."""
-    order = _circular_order(run)
+    """Move the model and optimizer into the order a circular schedule keeps its layers in
+    (or `back` into the model's), once; checkpoints keep the model's order."""
+    order = pipeline.circular_order(run.pipeline, run.model_cfg.num_layers, run.preset, run.mesh)
     if order is not None:
         order = np.argsort(order) if back else order
         for obj in (run.model, run.optimizer):
             nnx.update(obj, pipeline.reorder_layers(nnx.state(obj), order))
 
 
-def _circular_order(run: Run) -> np.ndarray | None:
-    if run.pipeline.repeats == 1 or not run.pipeline.microbatches:
-        return None
-    stages = run.mesh.shape[sharding.pipeline_axis(run.preset.rules)]
-    return pipeline.schedules.layer_order(run.model_cfg.num_layers, stages,
-                                          run.pipeline.repeats)
-
-
 def _save(run: Run) -> None:
-    order = _circular_order(run)
+    order = pipeline.circular_order(run.pipeline, run.model_cfg.num_layers, run.preset, run.mesh)
     layout = None if order is None else (
         lambda state: pipeline.reorder_layers(state, np.argsort(order)))
     run.checkpointer.save(run.step, run.model, run.optimizer, layout=layout,
@@ -339,12 +341,12 @@ def _save_and_evaluate(run: Run, put, recorder: metrics.Recorder) -> None:
 
 def evaluate(run: Run, batch_put) -> float:
     """Mean loss over the first `eval_batches` batches of the validation split (fixed order)."""
-    cfg = run.train_cfg
-    share, shares = sharding.batch_share(run.preset, run.mesh, cfg.batch_size)
-    it = batch_iterator(run.data_dir, "val", seq_len=run.seq_len, batch_size=cfg.batch_size,
-                        seed=0, shuffle=False, process_index=share, process_count=shares)
-    losses = [steps.eval_step(run.model, batch_put(next(it))) for _ in range(cfg.eval_batches)]
-    return float(np.mean(jax.device_get(losses)))
+    share, shares = sharding.batch_share(run.preset, run.mesh, run.train_cfg.batch_size)
+    it = batch_iterator(run.data_dir, "val", seq_len=run.seq_len,
+                        batch_size=run.train_cfg.batch_size, seed=0, shuffle=False,
+                        process_index=share, process_count=shares)
+    return steps.mean_loss(run.model, (batch_put(next(it))
+                                       for _ in range(run.train_cfg.eval_batches)))
 
 
 def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
@@ -369,20 +371,6 @@ def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
                              rng=jax.random.key(run.train_cfg.seed))[0]
         log(f"sample:\n{story}")
     return summary
-
-
-def _prepare_data(train_cfg: TrainConfig, tokenizer: str) -> Path:
-    """Download and tokenize (with the model's tokenizer) on first use. In a multi-process job
-    process 0 goes first and the others wait, then reuse its files (shared file system) or
-    prepare their own copy."""
-    def prepare():
-        return resolve_data(train_cfg.data, train_cfg.data_root, tokenizer=tokenizer)
-
-    if jax.process_count() == 1:
-        return prepare()
-    data_dir = prepare() if jax.process_index() == 0 else None
-    multihost_utils.sync_global_devices("minigpt: data prepared by process 0")
-    return data_dir or prepare()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

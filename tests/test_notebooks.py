@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hf_checkpoints import llama_checkpoint, write_hf
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
@@ -17,10 +18,12 @@ EXPECTED = {
                                      "'all-gather'", "parameters:"],
     "03_generation.ipynb": ["same tokens: True", "same seed, same story: True",
                             "another seed, another story: True", "refused:"],
+    "04_pretrained_weights.ipynb": ["imported", "starts from:", "held-out loss after",
+                                    "MiB of float32 weights", "model.safetensors"],
 }
 
 
-def test_the_three_walkthroughs_are_there():
+def test_the_walkthroughs_are_there():
     assert NOTEBOOKS == sorted(EXPECTED)
 
 
@@ -47,6 +50,11 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, stories_file, monkeypatch):
     monkeypatch.setenv("MINIGPT_SMALL", "1")
     monkeypatch.setenv("MINIGPT_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("MINIGPT_NOTEBOOK_TEXT", str(stories_file))
+    if name == "04_pretrained_weights.ipynb":  # a tiny random checkpoint instead of the Hub's
+        config, tensors = llama_checkpoint(L=2)
+        checkpoint = write_hf(tmp_path / "checkpoint", config, tensors,
+                              tokenizer="tinystories-4k")
+        monkeypatch.setenv("MINIGPT_NOTEBOOK_CHECKPOINT", str(checkpoint))
     notebook = nbformat.read(NOTEBOOK_DIR / name, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOK_DIR)}})

@@ -313,7 +313,7 @@ def test_microbatch_helpers_and_the_bubble():
 
 
 def test_explainer_shows_each_stages_layers_the_schedule_and_its_stash(capsys):
-    assert explain.main(["--model", "minigpt-tiny8", "--preset", "dp_pp",
+    assert explain.main(["--model", "minigpt-tiny8", "--preset", "dp_pp", "--schedule", "gpipe",
                          "--microbatches", "6"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: 2 stages over mesh axis 'stage', 4 layer(s) each" in out
@@ -322,10 +322,11 @@ def test_explainer_shows_each_stages_layers_the_schedule_and_its_stash(capsys):
     assert ("schedule gpipe, 6 microbatches: bubble (S - 1) / (R M + S - 1) = 1/7 = 14.3% of "
             "each step; each stage keeps up to 6 microbatch inputs for its backward") in out
     assert "blocks.layers.mlp.up.kernel" in out and "('stage', None, None)" in out
-    assert explain.main(["--model", "minigpt-tiny8", "--preset", "pp", "--schedule",
-                         "1f1b", "--microbatches", "32"]) == 0  # a 1-D mesh
+    assert explain.main(["--model", "minigpt-tiny8", "--preset", "pp",
+                         "--microbatches", "32"]) == 0  # a 1-D mesh, the default schedule
     out = capsys.readouterr().out
     assert "  stage 7: layer 7 on device(s) 7\n" in out
+    assert "schedule 1f1b, 32 microbatches" in out
     assert "= 7/39 = 17.9% of each step; each stage keeps up to 15 microbatch inputs" in out
     assert explain.main(["--model", "minigpt-tiny8", "--preset", "dp_pp", "--repeats", "2",
                          "--microbatches", "4"]) == 0

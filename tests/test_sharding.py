@@ -194,17 +194,25 @@ def test_mesh_that_does_not_fit_the_devices_is_refused(tmp_path, shape, needs):
     assert needs in message and "there are 8" in message
 
 
-def test_dimension_not_divisible_by_its_mesh_axis_is_refused_before_compiling(monkeypatch):
-    cfg = ModelConfig(context_len=32, embed_dim=64, num_heads=8, mlp_dim=36, num_layers=1)
+def test_a_dimension_its_mesh_axes_do_not_divide_leaves_them_to_the_next():
+    # An mlp of 36 does not split 8 ways: the [mlp, embed] kernel is split by embed instead, the
+    # [mlp] bias stays whole; GPT-2's 12 heads the same (its checkpoints load under fsdp on 8).
+    cfg = ModelConfig(context_len=32, embed_dim=96, num_heads=12, mlp_dim=36, num_layers=1,
+                      arch="gpt2")
     preset = sharding.load_preset("fsdp")
-    compiled = []
-    monkeypatch.setattr(sharding.jax, "jit", lambda *a, **k: compiled.append(1))
-    with pytest.raises(sharding.PresetError) as e:
-        sharding.create_sharded(lambda: build_tiny(cfg), preset, sharding.make_mesh(preset))
-    message = str(e.value)
-    assert "preset 'fsdp'" in message and "size 36" in message and "8 devices" in message
-    assert "'mlp'" in message and "parameter blocks.layers.mlp." in message
-    assert not compiled
+    model = sharding.create_sharded(lambda: build_tiny(cfg), preset, sharding.make_mesh(preset))
+    layer = model.blocks.layers
+    specs = {name: normalised(var.get_value().sharding.spec) for name, var in [
+        ("up", layer.mlp.up.kernel), ("up_bias", layer.mlp.up.bias),
+        ("down", layer.mlp.down.kernel), ("out", layer.attention.out.kernel),
+        ("query_bias", layer.attention.query.bias)]}
+    assert specs == {"up": (None, "fsdp"), "up_bias": (), "down": (None, None, "fsdp"),
+                     "out": (None, None, None, "fsdp"), "query_bias": ()}
+    # without shapes (activations) the first dimension takes the axis, with them the first
+    # that divides
+    assert sharding.resolve_spec(("heads", "kv", "embed"), preset.rules) == jax.P("fsdp", None, None)
+    assert sharding.resolve_spec(("heads", "kv", "embed"), preset.rules, (12, 4, 64),
+                                 sharding.make_mesh(preset)) == jax.P(None, None, "fsdp")
 
 
 def test_explainer_prints_every_parameter_and_per_device_totals(capsys):

@@ -3,7 +3,7 @@
 RMSNorm before each sublayer, rotary position embeddings on queries and keys (no learned
 positions), grouped-query attention (several query heads share one key/value head, which
 shrinks the KV cache), a SwiGLU feed-forward (silu(x W_gate) * x W_up, then W_down), no biases,
-a final RMSNorm and an untied output head.
+a final RMSNorm and an output head, untied unless `tie_embeddings` (SmolLM2 ties it).
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ class Llama(DecoderLM):
                                 init=normal, dtype=cfg.dtype, rngs=rngs)
         self.blocks = BlockStack(lambda r: TransformerBlock(cfg, rngs=r), cfg, rngs=rngs)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
-        self.output = Dense("...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim),
-                            ("vocab", "embed"), init=normal, use_bias=False, dtype=cfg.dtype,
-                            rngs=rngs)
+        self.output = None if cfg.tie_embeddings else Dense(
+            "...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"), init=normal,
+            use_bias=False, dtype=cfg.dtype, rngs=rngs)
 
     def embed(self, tokens, positions, keys=None):
         return self.tokens(tokens)  # [B, T, D]; positions enter through the rotary embedding
 
     def head(self, x):
-        return self.output(self.final_norm(x))  # [..., V]
+        x = self.final_norm(x)
+        return self.tokens.attend(x) if self.output is None else self.output(x)  # [..., V]

@@ -85,6 +85,16 @@ def positions_in_use(num_layers: int) -> np.ndarray | None:
     return schedules.layer_order(num_layers, stages, settings.repeats)
 
 
+def circular_order(settings: sharding.Pipeline, num_layers: int, preset: sharding.Preset,
+                   mesh) -> np.ndarray | None:
+    """The order a run under a circular schedule keeps its stacked layers in, for the whole
+    run (`schedules.layer_order`); None where it is the model's order."""
+    if settings.repeats == 1 or not settings.microbatches:
+        return None
+    stages = mesh.shape[sharding.pipeline_axis(preset.rules)]
+    return schedules.layer_order(num_layers, stages, settings.repeats)
+
+
 def reorder_layers(state, positions: np.ndarray):
     """An NNX state (parameters or optimizer state) whose stacked arrays, those with a leading
     `layers` axis, hold their layers in `positions` order: position i gets layer positions[i].

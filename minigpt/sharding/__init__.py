@@ -82,7 +82,7 @@ def check_divisible(preset: Preset, mesh, abstract_state) -> None:
         axes = var.get_metadata().get("out_sharding")
         if not axes:
             continue
-        spec = preset.spec(axes)
+        spec = preset.spec(axes, var.shape, mesh)
         for dim, (size, entry) in enumerate(zip(var.shape, spec)):
             n = ways(mesh, entry)
             if size % n and axes[dim] == "layers":
@@ -103,7 +103,8 @@ def state_shardings(preset: Preset, mesh, abstract_state):
     """The NamedSharding of every Variable in an (abstract) NNX state, by the preset's rules."""
     def sharding_of(var):
         axes = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
-        sharding = jax.sharding.NamedSharding(mesh, preset.spec(axes or ()))
+        shape = var.shape if isinstance(var, nnx.Variable) else None
+        sharding = jax.sharding.NamedSharding(mesh, preset.spec(axes or (), shape, mesh))
         return var.replace(sharding) if isinstance(var, nnx.Variable) else sharding
 
     return jax.tree.map(sharding_of, abstract_state,
@@ -252,7 +253,7 @@ def describe(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
         value = var.get_value() if isinstance(var, nnx.Variable) else var
         axes = (var.get_metadata().get("out_sharding") or ()
                 if isinstance(var, nnx.Variable) else ())
-        spec = preset.spec(axes)
+        spec = preset.spec(axes, value.shape, mesh)
         pieces = math.prod(ways(mesh, entry) for entry in spec)
         nbytes = math.prod(value.shape) * value.dtype.itemsize
         rows.append({"name": _path_name(path), "shape": tuple(value.shape), "axes": tuple(axes),

@@ -29,8 +29,14 @@ class Pipeline:
     (every choice computes the same losses and gradients)."""
 
     microbatches: int = 0  # M: pieces each batch goes through the stages in; 0: two per stage
-    schedule: str = "gpipe"  # minigpt.pipeline.schedules: "gpipe" or "1f1b"
+    # minigpt.pipeline.schedules: "gpipe" or "1f1b"; "": 1f1b (faster at the default M in
+    # bench/RESULTS.md, and its memory does not grow with M), or gpipe for the circular schedule
+    schedule: str = ""
     repeats: int = 1  # R > 1: the circular schedule, each stage holding R chunks of layers
+
+    def __post_init__(self) -> None:
+        if not self.schedule:
+            object.__setattr__(self, "schedule", "gpipe" if self.repeats > 1 else "1f1b")
 
 
 def default_microbatches(stages: int) -> int:

@@ -50,15 +50,18 @@ class Preset:
     rules: Rules  # every logical axis, unlisted ones mapped to None (replicated)
     path: Path
 
-    def spec(self, axes: Sequence[str | None]) -> jax.P:
-        """The PartitionSpec of an array whose dimensions have these logical names."""
-        return resolve_spec(axes, self.rules)
+    def spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None,
+             mesh=None) -> jax.P:
+        """The PartitionSpec of an array whose dimensions have these logical names (and, given
+        its shape and the mesh, sizes: see `resolve_spec`)."""
+        return resolve_spec(axes, self.rules, shape, mesh)
 
     def mesh_axes_of(self, logical: str) -> tuple[str, ...]:
         return mesh_axes_in(dict(self.rules).get(logical))
 
 
-def resolve_spec(axes: Sequence[str | None], rules: Rules) -> jax.P:
+def resolve_spec(axes: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None,
+                 mesh=None) -> jax.P:
     """The PartitionSpec of an array whose dimensions have these logical names, by `rules`.
 
     A mesh axis can split only one dimension of an array. When several dimensions map to the
@@ -66,13 +69,22 @@ def resolve_spec(axes: Sequence[str | None], rules: Rules) -> jax.P:
     an [embed, mlp] kernel is split by embed, an [mlp] bias by mlp, and a [batch, seq, embed]
     activation by batch; under a pipeline preset that splits the batch over (`stage`, `data`),
     a [layers, batch, ...] cache is split by stage, then by data.
+
+    Given the array's shape and the mesh (parameters: their shapes are known), a dimension the
+    mesh axes do not divide leaves them to the next dimension that maps to them: GPT-2's 12
+    heads do not split 8 ways, so under `fsdp` on 8 devices its [heads, head_dim, embed]
+    projection is split by embed instead. The layers never give up their axis (a pipeline
+    whose stages do not divide the layers is refused, `check_divisible`).
     """
     table = dict(rules)
     used: set[str] = set()
     spec = []
-    for name in axes:
+    for dim, name in enumerate(axes):
         mesh_axes = tuple(a for a in mesh_axes_in(table.get(name) if name else None)
                           if a not in used)
+        if (shape is not None and mesh is not None and mesh_axes and name != "layers"
+                and shape[dim] % math.prod(mesh.shape[a] for a in mesh_axes)):
+            mesh_axes = ()
         used.update(mesh_axes)
         spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return jax.P(*spec)

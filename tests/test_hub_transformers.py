@@ -1,0 +1,93 @@
+"""minigpt's GPT-2 and Llama against transformers' own, through import and export.
+
+Needs torch and transformers (`pip install -e ".[dev,hf]"`); skipped, saying why, without them.
+Randomly initialised transformers models are saved with `save_pretrained`, imported, and must
+give the same logits (1e-4 relative) and the same greedy continuation; an export loads back into
+transformers with the same logits.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="torch is the [hf] extra (a large download)")
+transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
+
+from minigpt import hf_tokenizer, hub, sharding  # noqa: E402
+from minigpt.generate import generate_tokens, load_for_generation  # noqa: E402
+from minigpt.tokenizer import load_tokenizer  # noqa: E402
+
+IDS = np.random.default_rng(0).integers(0, 4096, size=(2, 20))
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=50257, n_positions=64, n_embd=64, n_layer=2, n_head=8))
+
+
+def _llama(tied: bool):
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tied))
+
+
+def _theirs(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def _ours(run, ids):
+    model, _, preset, mesh, _ = load_for_generation(run)
+    with sharding.use_preset(preset, mesh):
+        logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ids))
+    return np.asarray(logits)[..., :model.config.vocab_size], (model, preset, mesh)
+
+
+def _save(model, directory, tokenizer=None):
+    torch.manual_seed(0)
+    for p in model.parameters():  # larger than the default init, so mistakes show
+        torch.nn.init.normal_(p, std=0.2) if p.dim() > 1 else torch.nn.init.normal_(p, 1.0, 0.1)
+    model.eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer:
+        (directory / "tokenizer.json").write_text(json.dumps(
+            hf_tokenizer.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama-untied", "llama-tied"])
+def test_imports_match_transformers_and_exports_load_back(tmp_path, kind, request):
+    if kind == "gpt2":
+        request.getfixturevalue("gpt2")  # the tiktoken GPT-2 files, or a skip saying why
+        model, tokenizer = _gpt2(), None
+    else:
+        model, tokenizer = _llama(tied=kind == "llama-tied"), "tinystories-4k"
+    _save(model, tmp_path / "hf", tokenizer)
+    assert hub.main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
+    theirs = _theirs(model, IDS)
+    ours, imported = _ours(tmp_path / "run", IDS)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+
+    # greedy decoding: the same 20 tokens
+    prompt = [int(t) for t in IDS[0, :5]]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                  min_new_tokens=20, pad_token_id=0)[0, 5:].tolist()
+    model_here, preset, mesh = imported
+    with sharding.use_preset(preset, mesh):
+        got = generate_tokens(model_here, [prompt], max_new_tokens=20, temperature=0.0,
+                              rng=jax.random.key(0))[0]
+    assert list(got) == expected
+
+    # the export loads in transformers and computes what the original did
+    assert hub.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    np.testing.assert_allclose(_theirs(again, IDS), theirs, rtol=1e-5, atol=1e-6)
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    enc = load_tokenizer("gpt2" if kind == "gpt2" else "tinystories-4k")
+    text = "Once upon a time, 3 cats sat  on a mat.\n\nThe end. Café 🙂"
+    assert auto(text)["input_ids"] == enc.encode(text)

@@ -369,8 +369,15 @@ def load_sharded(source: Source, cfg: ModelConfig, preset: sharding.Preset, mesh
     def load(path, var, target):
         tensor = by_path[_key_names(path)]
         shape = tuple(var.shape)
-        array = jax.make_array_from_callback(
-            shape, target.get_value(), lambda index: source.read(tensor, shape, index))
+        pieces = {}  # devices holding the same piece (replicas) share one read of it
+
+        def piece(index):
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            if key not in pieces:
+                pieces[key] = source.read(tensor, shape, index)
+            return pieces[key]
+
+        array = jax.make_array_from_callback(shape, target.get_value(), piece)
         return var.replace(array)
 
     state = jax.tree_util.tree_map_with_path(

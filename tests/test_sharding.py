@@ -210,7 +210,8 @@ def test_a_dimension_its_mesh_axes_do_not_divide_leaves_them_to_the_next():
                      "out": (None, None, None, "fsdp"), "query_bias": ()}
     # without shapes (activations) the first dimension takes the axis, with them the first
     # that divides
-    assert sharding.resolve_spec(("heads", "kv", "embed"), preset.rules) == jax.P("fsdp", None, None)
+    rules = preset.rules
+    assert sharding.resolve_spec(("heads", "kv", "embed"), rules) == jax.P("fsdp", None, None)
     assert sharding.resolve_spec(("heads", "kv", "embed"), preset.rules, (12, 4, 64),
                                  sharding.make_mesh(preset)) == jax.P(None, None, "fsdp")
 

@@ -98,7 +98,7 @@ def _gist(error: BaseException) -> str:
 # list of blocks instead: `blocks.layers.0.attention...`, `blocks.layers.1...`. They are read
 # layer by layer into arrays shaped like one slice of today's, then stacked.
 
-def _key_names(path: tuple) -> tuple[str, ...]:
+def key_names(path: tuple) -> tuple[str, ...]:
     """A pytree path as the names Orbax stores: dict keys as strings, attributes by name."""
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
@@ -113,7 +113,7 @@ def _layer_position(names: tuple[str, ...]) -> int | None:
 
 def _has_layer_list(item_dir: Path) -> bool:
     tree = ocp.StandardCheckpointHandler().metadata(epath.Path(item_dir)).tree
-    names = [_key_names(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    names = [key_names(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
     return any((p := _layer_position(n)) is not None and n[p].isdigit() for n in names)
 
 
@@ -122,7 +122,7 @@ def _layer_list_target(target) -> dict:
     with the sharding of one slice of the stacked array."""
     out: dict = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(target):
-        names = _key_names(path)
+        names = key_names(path)
         at = _layer_position(names)
         layers = [None] if at is None else range(leaf.shape[0])
         for i in layers:
@@ -149,7 +149,7 @@ def _stack_layer_list(restored: dict, target):
         return node
 
     def value(path, leaf):
-        names = _key_names(path)
+        names = key_names(path)
         at = _layer_position(names)
         if at is None:
             return lookup(names)

@@ -18,10 +18,7 @@ shape, and this module converts between the two:
   regex (Llama 3) is used as it is, with an alternative that keeps the text between its matches,
   which Hugging Face keeps and tiktoken would drop; `Digits` before ByteLevel (SmolLM2) makes
   GPT-2's pattern emit digits alone and end whitespace before a digit, as the digit split does.
-- **Export** (`tokenizer_json_from_encoding`, `write_hf_tokenizer`). The merges are recovered
-  from the ranks: for each token, BPE run on its bytes with only lower ranks stops at the two
-  pieces whose merge makes it. The pre-tokenizer is `Split(pat_str)` then ByteLevel without its
-  own regex; `ignore_merges` mirrors tiktoken's use of a whole piece that is itself a token.
+- **Export** is `minigpt.hf_tokenizer_export`, which shares the alphabet and `bpe` above.
 
 What tiktoken cannot express is refused with one line that names it: SentencePiece tokenizers
 (Llama 2, TinyLlama), WordPiece and Unigram models, normalizers, dropout, subword prefixes and
@@ -40,8 +37,7 @@ from pathlib import Path
 
 import tiktoken
 
-from minigpt.files import write_text_atomic
-from minigpt.tokenizer import EOT, PATTERN, TokenizerError, write_ranks
+from minigpt.tokenizer import PATTERN, TokenizerError, write_ranks
 
 BYTE_LEVEL_HINT = ("minigpt's runtime tokenizer is tiktoken, which needs byte-level BPE "
                    "(a ByteLevel pre-tokenizer, as GPT-2, SmolLM2 and Llama 3 have)")
@@ -359,83 +355,3 @@ def _check_tokens_come_out_whole(ordinary: dict[str, int], merges: list[tuple[st
             if bpe(list(token), rule) != [token]:
                 raise TokenizerError(f"{where}: {who}'s BPE does not turn {token!r} into one "
                                      f"token; these merges have no tiktoken equivalent")
-
-
-# Export ------------------------------------------------------------------------------------
-
-
-def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merges list of tiktoken ranks, in rank order: for each token longer than a byte, the
-    two pieces that BPE with only lower ranks leaves of its bytes."""
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) == 1:
-            continue
-        pieces = bpe([bytes([b]) for b in token], functools.partial(_rank_below, ranks, rank))
-        if len(pieces) != 2:
-            raise TokenizerError(f"token {token!r} (rank {rank}) is not a merge of two "
-                                 f"lower-ranked tokens; it has no BPE merges list")
-        merges.append((pieces[0], pieces[1]))
-    return merges
-
-
-def _rank_below(ranks: dict[bytes, int], limit: int, left: bytes, right: bytes) -> int | None:
-    rank = ranks.get(left + right, limit)
-    return rank if rank < limit else None
-
-
-def tokenizer_json_from_encoding(enc: tiktoken.Encoding) -> dict:
-    """A `tokenizer.json` that Hugging Face `tokenizers` loads and that encodes and decodes as
-    `enc` does (with every special token allowed)."""
-    ranks, specials = enc._mergeable_ranks, enc._special_tokens
-    vocab = {token_str(token): rank for token, rank in ranks.items()}
-    clash = [s for s in specials if s in vocab]
-    if clash:
-        raise TokenizerError(f"special token {clash[0]!r} of {enc.name} is also an ordinary "
-                             f"token's byte-level spelling; tokenizer.json cannot hold both")
-    vocab.update(specials)  # so that Hugging Face keeps their ids
-    merges = [[token_str(a), token_str(b)] for a, b in recover_merges(ranks)]
-    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True}
-             for s, i in sorted(specials.items(), key=lambda item: item[1])]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                  "use_regex": False}
-    split = {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated",
-             "invert": False}
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-            "normalizer": None,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-            "post_processor": None, "decoder": {**byte_level, "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                      "vocab": vocab, "merges": merges}}
-
-
-def write_hf_tokenizer(enc: tiktoken.Encoding, directory: str | Path, *, model_max_length: int,
-                       eos_token: str | None = None, bos_token: str | None = None) -> Path:
-    """Write the Hugging Face tokenizer files of `enc` into `directory`: tokenizer.json,
-    tokenizer_config.json, special_tokens_map.json, and GPT-2's vocab.json and merges.txt.
-    eos and bos default to `<|endoftext|>` where the encoding has it."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    default = EOT if EOT in enc._special_tokens else None
-    roles = {"bos_token": bos_token or default, "eos_token": eos_token or default}
-    for role, token in roles.items():
-        if token is not None and token not in enc._special_tokens:
-            raise TokenizerError(f"{role} {token!r} is not a special token of {enc.name} "
-                                 f"({', '.join(enc._special_tokens) or 'it has none'})")
-    roles = {role: token for role, token in roles.items() if token is not None}
-    data = tokenizer_json_from_encoding(enc)
-    # PreTrainedTokenizerFast builds everything from tokenizer.json; GPT2Tokenizer would
-    # replace the split regex with GPT-2's own. No clean-up: it would change decoded spaces.
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
-              "clean_up_tokenization_spaces": False, **roles}
-    files = {"tokenizer.json": data, "tokenizer_config.json": config,
-             "special_tokens_map.json": roles, "vocab.json": data["model"]["vocab"]}
-    for file_name, content in files.items():
-        write_text_atomic(directory / file_name,
-                          json.dumps(content, indent=2, ensure_ascii=False) + "\n")
-    merges = "".join(f"{left} {right}\n" for left, right in data["model"]["merges"])
-    write_text_atomic(directory / "merges.txt", "#version: 0.2\n" + merges)
-    return directory

@@ -28,12 +28,13 @@ padding rows, and the tokenizer (`tokenizer.json` and its config; GPT-2's `vocab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +42,26 @@ import jax
 import numpy as np
 from flax import nnx
 
-from minigpt import hf_tokenizer, sharding
-from minigpt.checkpoint import Checkpointer, CheckpointError
-from minigpt.config import ConfigError, ModelConfig, save_run_config
+from minigpt import hf_tokenizer, hf_tokenizer_export, sharding
+from minigpt.checkpoint import Checkpointer, CheckpointError, key_names
+from minigpt.config import ConfigError, ModelConfig, load_run_config, save_run_config
 from minigpt.files import sha256, write_text_atomic
+from minigpt.generate import GenerationError, load_for_generation
+from minigpt.hf_models import (
+    IGNORED_SUFFIXES,
+    TENSORS,
+    HubError,
+    Tensor,
+    hf_config,
+    model_config,
+    to_hf,
+    to_ours,
+)
 from minigpt.models import build_model, count_params
 from minigpt.runtime import log, set_simulated_devices
 from minigpt.tokenizer import TokenizerError, load_tokenizer
 from minigpt.weights import Checkpoint, WeightsError
+from minigpt.weights import save as save_weights
 
 # What a Hub download fetches: the config, the weights, the tokenizer files.
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -56,186 +69,6 @@ HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "to
              "vocab.json", "merges.txt", "tokenizer.model"]
 RUN_TOKENIZER = "vocabulary.tiktoken"  # a converted tokenizer's name inside a run directory
 READABLE = (np.float32, np.float16, "bfloat16")
-
-
-class HubError(RuntimeError):
-    """An import or export cannot be done; the message says why and what to do."""
-
-
-# --- what each architecture's tensors are called, and how they map to ours -------------------
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One of our parameters and the Hugging Face tensor it comes from.
-
-    `path` is the parameter in `nnx.state(model)`; stacked block parameters ([layers, ...])
-    come from one tensor per layer, named with `{i}`. The Hugging Face tensor (`hf_shape`) is
-    transposed if `transpose` (PyTorch's Linear stores [out, in]), cut into `part[1]` equal
-    pieces along its last axis and piece `part[0]` kept (GPT-2 fuses the query, key and value
-    projections), reshaped to our per-layer shape, and its rows padded to our padded
-    vocabulary if `padded`.
-    """
-
-    path: tuple[str, ...]
-    name: str
-    hf_shape: tuple[int, ...]
-    transpose: bool = False
-    part: tuple[int, int] = (0, 1)
-    padded: bool = False
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.name
-
-
-def gpt2_tensors(cfg: ModelConfig) -> list[Tensor]:
-    D, F, V, P = cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size, cfg.context_len
-    block = ("blocks", "layers")
-    qkv = [Tensor((*block, "attention", proj, kind), f"h.{{i}}.attn.c_attn.{hf}", shape,
-                  part=(n, 3))
-           for n, proj in enumerate(("query", "key", "value"))
-           for kind, hf, shape in (("kernel", "weight", (D, 3 * D)), ("bias", "bias", (3 * D,)))]
-    return [
-        Tensor(("tokens", "table"), "wte.weight", (V, D), padded=True),
-        Tensor(("positions", "table"), "wpe.weight", (P, D)),
-        *[Tensor((*block, norm, kind), f"h.{{i}}.{hf}.{hk}", (D,))
-          for norm, hf in (("norm1", "ln_1"), ("norm2", "ln_2"))
-          for kind, hk in (("scale", "weight"), ("bias", "bias"))],
-        *qkv,
-        Tensor((*block, "attention", "out", "kernel"), "h.{i}.attn.c_proj.weight", (D, D)),
-        Tensor((*block, "attention", "out", "bias"), "h.{i}.attn.c_proj.bias", (D,)),
-        Tensor((*block, "mlp", "up", "kernel"), "h.{i}.mlp.c_fc.weight", (D, F)),
-        Tensor((*block, "mlp", "up", "bias"), "h.{i}.mlp.c_fc.bias", (F,)),
-        Tensor((*block, "mlp", "down", "kernel"), "h.{i}.mlp.c_proj.weight", (F, D)),
-        Tensor((*block, "mlp", "down", "bias"), "h.{i}.mlp.c_proj.bias", (D,)),
-        Tensor(("final_norm", "scale"), "ln_f.weight", (D,)),
-        Tensor(("final_norm", "bias"), "ln_f.bias", (D,)),
-    ]
-
-
-def llama_tensors(cfg: ModelConfig) -> list[Tensor]:
-    D, F, V = cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-    block, layer = ("blocks", "layers"), "model.layers.{i}"
-    out = [
-        Tensor(("tokens", "table"), "model.embed_tokens.weight", (V, D), padded=True),
-        Tensor((*block, "norm1", "scale"), f"{layer}.input_layernorm.weight", (D,)),
-        Tensor((*block, "norm2", "scale"), f"{layer}.post_attention_layernorm.weight", (D,)),
-        *[Tensor((*block, "attention", ours, "kernel"), f"{layer}.self_attn.{hf}.weight",
-                 (rows, D), transpose=True)
-          for ours, hf, rows in (("query", "q_proj", q), ("key", "k_proj", kv),
-                                 ("value", "v_proj", kv))],
-        Tensor((*block, "attention", "out", "kernel"), f"{layer}.self_attn.o_proj.weight",
-               (D, q), transpose=True),
-        Tensor((*block, "mlp", "gate", "kernel"), f"{layer}.mlp.gate_proj.weight", (F, D),
-               transpose=True),
-        Tensor((*block, "mlp", "up", "kernel"), f"{layer}.mlp.up_proj.weight", (F, D),
-               transpose=True),
-        Tensor((*block, "mlp", "down", "kernel"), f"{layer}.mlp.down_proj.weight", (D, F),
-               transpose=True),
-        Tensor(("final_norm", "scale"), "model.norm.weight", (D,)),
-    ]
-    if not cfg.tie_embeddings:
-        out.append(Tensor(("output", "kernel"), "lm_head.weight", (V, D), padded=True))
-    return out
-
-
-TENSORS: dict[str, Callable[[ModelConfig], list[Tensor]]] = {"gpt2": gpt2_tensors,
-                                                            "llama": llama_tensors}
-# Buffers some files carry that are not parameters: GPT-2's causal masks, old rotary tables.
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-
-
-def to_ours(tensor: Tensor, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A Hugging Face array as our parameter (per layer, vocabulary rows not yet padded): a
-    view of `hf` where possible, so slicing it reads only the slice."""
-    x = hf.T if tensor.transpose else hf
-    which, pieces = tensor.part
-    width = x.shape[-1] // pieces
-    x = x[..., which * width:(which + 1) * width]
-    rows = (tensor.hf_shape[0],) if tensor.padded else shape[:1]
-    return x.reshape(rows + tuple(shape[1:]))
-
-
-def to_hf(tensor: Tensor, ours: np.ndarray) -> np.ndarray:
-    """The inverse of `to_ours` for one piece: our per-layer array as (a part of) the Hugging
-    Face tensor, padding rows dropped."""
-    if tensor.padded:
-        ours = ours[:tensor.hf_shape[0]]
-    shape = tensor.hf_shape[::-1] if tensor.transpose else tensor.hf_shape
-    shape = (*shape[:-1], shape[-1] // tensor.part[1])
-    x = ours.reshape(shape)
-    return x.T if tensor.transpose else x
-
-
-# --- reading a Hugging Face directory -------------------------------------------------------
-
-def model_config(hf: dict[str, Any]) -> ModelConfig:
-    """Our model config from a Hugging Face config.json, refusing what we do not implement."""
-    kind = hf.get("model_type")
-    if kind == "gpt2":
-        return _gpt2_config(hf)
-    if kind == "llama":
-        return _llama_config(hf)
-    raise HubError(f"config.json has model_type {kind!r}: minigpt imports 'gpt2' "
-                   f"(GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)")
-
-
-def _refuse(hf: dict[str, Any], field: str, allowed: Callable[[Any], bool], why: str) -> None:
-    if field in hf and not allowed(hf[field]):
-        raise HubError(f"config.json has {field} = {json.dumps(hf[field])}: {why}")
-
-
-def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
-    _refuse(hf, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
-            "minigpt's gpt2 uses the tanh approximation of GELU (gelu_new)")
-    _refuse(hf, "scale_attn_weights", lambda v: v is True, "minigpt scales attention scores")
-    _refuse(hf, "scale_attn_by_inverse_layer_idx", lambda v: not v,
-            "minigpt's gpt2 does not scale attention by layer")
-    _refuse(hf, "add_cross_attention", lambda v: not v, "minigpt's gpt2 is a decoder only")
-    _refuse(hf, "tie_word_embeddings", lambda v: v is True,
-            "minigpt's gpt2 ties its output head to the token embedding")
-    D = hf.get("n_embd", 768)
-    return _built(arch="gpt2", vocab_size=hf.get("vocab_size", 50257),
-                  context_len=hf.get("n_positions", hf.get("n_ctx", 1024)), embed_dim=D,
-                  num_heads=hf.get("n_head", 12), mlp_dim=hf.get("n_inner") or 4 * D,
-                  num_layers=hf.get("n_layer", 12), dropout=0.0,
-                  norm_eps=hf.get("layer_norm_epsilon", 1e-5))
-
-
-def _llama_config(hf: dict[str, Any]) -> ModelConfig:
-    _refuse(hf, "hidden_act", lambda v: v == "silu", "minigpt's llama uses SwiGLU with silu")
-    _refuse(hf, "rope_scaling", lambda v: v is None,
-            "minigpt's llama implements plain rotary embeddings, no rope scaling")
-    _refuse(hf, "attention_bias", lambda v: not v, "minigpt's llama has no attention biases")
-    _refuse(hf, "mlp_bias", lambda v: not v, "minigpt's llama has no MLP biases")
-    _refuse(hf, "sliding_window", lambda v: v is None,
-            "minigpt's llama attends to the whole context (no sliding window)")
-    # transformers 5 writes the rotary settings as `rope_parameters`; earlier files as
-    # `rope_theta` (and `rope_scaling`).
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise HubError(f"config.json has rope_parameters.rope_type = "
-                       f"{json.dumps(rope['rope_type'])}: minigpt's llama implements plain "
-                       f"rotary embeddings, no rope scaling")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 1e4))
-    D, N = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    head_dim = hf.get("head_dim") or D // N
-    return _built(arch="llama", vocab_size=hf.get("vocab_size", 32000),
-                  context_len=hf.get("max_position_embeddings", 2048), embed_dim=D,
-                  num_heads=N, num_kv_heads=hf.get("num_key_value_heads") or N,
-                  mlp_dim=hf.get("intermediate_size", 11008),
-                  num_layers=hf.get("num_hidden_layers", 32), dropout=0.0,
-                  norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
-                  head_size=0 if head_dim * N == D else head_dim,
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def _built(**fields: Any) -> ModelConfig:
-    try:
-        return ModelConfig(**fields)
-    except ConfigError as error:
-        raise HubError(f"config.json describes a model minigpt cannot build: {error}") from None
 
 
 def fetch(source: str, revision: str | None = None) -> Path:
@@ -297,12 +130,13 @@ class Source:
             raise HubError(str(error)) from None
         self.tensors = TENSORS[cfg.arch](cfg)
         keys = set(self.checkpoint.keys())
-        prefixes = [p for p in ("", "transformer.", "model.")
-                    if all(self._name(t, 0, p) in keys for t in self.tensors[:1])]
-        if not prefixes:
+        first = self.tensors[0]  # the token embedding
+        self.prefix = next((p for p in ("", "transformer.") if self._name(first, 0, p) in keys),
+                           None)
+        if self.prefix is None:
             raise HubError(f"{directory} does not hold {cfg.arch} weights: no tensor named "
-                           f"{self.tensors[0].name!r} (with or without a prefix)")
-        self.prefix = prefixes[0]
+                           f"{first.name!r} (with or without a prefix)")
+        self.dtype = self.checkpoint.dtype(self._name(first, 0))  # as the file stores it
         used = set()
         for tensor in self.tensors:
             for i in range(cfg.num_layers if tensor.stacked else 1):
@@ -352,10 +186,6 @@ class Source:
         return out
 
 
-def _key_names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
 def load_sharded(source: Source, cfg: ModelConfig, preset: sharding.Preset, mesh):
     """The model with its weights read from `source` straight into the preset's layout: each
     array is assembled from the pieces its (addressable) devices hold, each read from the
@@ -367,7 +197,7 @@ def load_sharded(source: Source, cfg: ModelConfig, preset: sharding.Preset, mesh
     by_path = {t.path: t for t in source.tensors}
 
     def load(path, var, target):
-        tensor = by_path[_key_names(path)]
+        tensor = by_path[key_names(path)]
         shape = tuple(var.shape)
         pieces = {}  # devices holding the same piece (replicas) share one read of it
 
@@ -421,6 +251,23 @@ def _is_gpt2_vocabulary(vocab) -> bool:
     return vocab.ranks == gpt2._mergeable_ranks and vocab.special_tokens == gpt2._special_tokens
 
 
+@contextlib.contextmanager
+def _new_directory(out: Path):
+    """A temporary directory beside `out` to assemble it in, moved into place when the block
+    ends well and removed otherwise: `out` is written whole or not at all, never over files."""
+    if out.exists() and any(out.iterdir()):
+        raise HubError(f"{out} already exists and is not empty: choose a new --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
                       revision: str | None = None) -> dict[str, Any]:
     """Import a Hugging Face checkpoint into a new run directory `out`; returns a summary.
@@ -429,7 +276,7 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
     assembled in a temporary directory beside `out` and renamed into place when complete.
     """
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(out.iterdir()):  # before a download, not only before writing
         raise HubError(f"{out} already exists and is not empty: choose a new --out")
     directory = fetch(source, revision)
     hf = read_config(directory)
@@ -437,27 +284,18 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
     weights = Source(directory, cfg)
     preset = sharding.load_preset(preset_name)
     mesh = sharding.make_mesh(preset)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
-    try:
+    with _new_directory(out) as staging:
         tokenizer = import_tokenizer(directory, cfg, staging, source)
         cfg = dataclasses.replace(cfg, tokenizer=tokenizer)
         model = load_sharded(weights, cfg, preset, mesh)
         record = {"source": source, "revision": revision, "directory": str(directory),
                   "architecture": (hf.get("architectures") or [None])[0],
-                  "weights_dtype": str(weights.checkpoint.dtype(weights._name(
-                      weights.tensors[0], 0)))}
+                  "weights_dtype": str(weights.dtype)}
         save_run_config(staging / "config.json", cfg, None, imported=record)
         checkpointer = Checkpointer(staging / "checkpoints", async_save=False)
         checkpointer.save(0, model, None, data_state={}, rng=jax.random.key(0))
         checkpointer.wait()
         checkpointer.close()
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     arrays = jax.tree.leaves(nnx.state(model, nnx.Param))
     return {"out": out, "config": cfg, "params": count_params(model, cfg),
             "device_bytes": sum(s.data.nbytes for a in arrays for s in a.addressable_shards)}
@@ -465,39 +303,9 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
 
 # --- writing a Hugging Face directory -------------------------------------------------------
 
-def hf_config(cfg: ModelConfig, eos: int | None, bos: int | None) -> dict[str, Any]:
-    """The config.json transformers needs for our model."""
-    common = {"vocab_size": cfg.vocab_size, "torch_dtype": "float32",
-              "bos_token_id": bos, "eos_token_id": eos}
-    if cfg.arch == "gpt2":
-        if cfg.head_dim * cfg.num_heads != cfg.embed_dim:
-            raise HubError("GPT-2's heads must split its width exactly: this model sets "
-                           "head_size, which GPT2LMHeadModel cannot express")
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "n_positions": cfg.context_len, "n_embd": cfg.embed_dim,
-                "n_layer": cfg.num_layers, "n_head": cfg.num_heads, "n_inner": cfg.mlp_dim,
-                "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "tie_word_embeddings": True, **common}
-    if cfg.arch == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
-                "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                "max_position_embeddings": cfg.context_len, "rms_norm_eps": cfg.norm_eps,
-                # both spellings: transformers 5 reads the first, earlier versions the second
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-                "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-                "tie_word_embeddings": cfg.tie_embeddings, **common}
-    raise HubError(f"a {cfg.arch!r} model cannot be exported: no Hugging Face class computes "
-                   f"it (minigpt's own architecture normalises after each sublayer); gpt2 and "
-                   f"llama models can")
-
-
 def hf_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Our parameters as Hugging Face tensors (float32, vocabulary padding dropped)."""
-    state = {_key_names(path): np.asarray(jax.device_get(var.get_value()))
+    state = {key_names(path): np.asarray(jax.device_get(var.get_value()))
              for path, var in jax.tree_util.tree_leaves_with_path(
                  nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))}
     parts: dict[str, list] = {}
@@ -518,44 +326,29 @@ def hf_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 def export_run(run: str | Path, out: str | Path, *, max_file_bytes: int = 2 * 2**30) -> dict:
     """Write a run's latest weights as a Hugging Face model directory; returns a summary."""
-    from minigpt.generate import GenerationError, load_for_generation
-    from minigpt.weights import save
-
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise HubError(f"{out} already exists and is not empty: choose a new --out")
     try:
-        from minigpt.config import load_run_config
         cfg = load_run_config(Path(run) / "config.json")["model"]
     except ConfigError as error:
         raise HubError(str(error)) from None
     enc = load_tokenizer(cfg.tokenizer)
     specials = enc._special_tokens
-    eos = specials.get("<|endoftext|>", specials.get("<|im_end|>", enc.eot_token))
+    eos = specials.get("<|endoftext|>", specials.get("<|im_end|>"))
+    eos_token = next((t for t, i in specials.items() if i == eos), None)
     config = hf_config(cfg, eos=eos, bos=eos if cfg.arch == "gpt2" else None)
     try:
         model, _, _, _, step = load_for_generation(run, "dp")
     except (GenerationError, CheckpointError) as error:
         raise HubError(str(error)) from None
     tensors = hf_tensors(model, cfg)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.exporting-", dir=out.parent
-                                    if out.parent.exists() else None))
-    try:
-        files = save(tensors, staging, max_file_bytes=max_file_bytes)
+    with _new_directory(out) as staging:
+        files = save_weights(tensors, staging, max_file_bytes=max_file_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
         write_text_atomic(staging / "generation_config.json", json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": eos}, indent=2) + "\n")
-        token_name = next((t for t, i in specials.items() if i == eos), None)
-        hf_tokenizer.write_hf_tokenizer(enc, staging, model_max_length=cfg.context_len,
-                                        eos_token=token_name,
-                                        bos_token=token_name if cfg.arch == "gpt2" else None)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            out.rmdir()
-        shutil.move(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        hf_tokenizer_export.write_hf_tokenizer(enc, staging, model_max_length=cfg.context_len,
+                                        eos_token=eos_token,
+                                        bos_token=eos_token if cfg.arch == "gpt2" else None)
     return {"out": out, "step": step, "files": [out / f.name for f in files],
             "bytes": sum(t.nbytes for t in tensors.values())}
 

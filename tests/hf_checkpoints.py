@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt import hf_tokenizer, weights
+from minigpt import hf_tokenizer_export, weights
 from minigpt.tokenizer import load_tokenizer
 
 
@@ -74,5 +74,5 @@ def write_hf(directory: Path, config: dict, tensors: dict, *, dtype=np.float32,
                  max_file_bytes=max_file_bytes)
     if tokenizer:
         (directory / "tokenizer.json").write_text(json.dumps(
-            hf_tokenizer.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
+            hf_tokenizer_export.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
     return directory

@@ -29,6 +29,7 @@ from tokenizers import (  # noqa: E402
 from tokenizers import pre_tokenizers as pt  # noqa: E402
 
 from minigpt import hf_tokenizer as hf  # noqa: E402
+from minigpt import hf_tokenizer_export as hf_export  # noqa: E402
 from minigpt.tokenizer import PATTERN, TokenizerError, load_tokenizer  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -198,7 +199,7 @@ def gpt2_files() -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def gpt2_export(gpt2, tmp_path_factory) -> Path:  # gpt2: conftest's, skipped where absent
-    return hf.write_hf_tokenizer(gpt2, tmp_path_factory.mktemp("gpt2-hf"),
+    return hf_export.write_hf_tokenizer(gpt2, tmp_path_factory.mktemp("gpt2-hf"),
                                  model_max_length=1024)
 
 
@@ -238,7 +239,7 @@ def test_gpt2_exported_from_tiktoken_is_hugging_faces_gpt2(gpt2, gpt2_export, as
 @pytest.mark.parametrize("style", STYLES)
 def test_export_of_a_converted_encoding_round_trips(trained, style):
     vocab = hf.ranks_from_tokenizer_json(json.loads(trained[style].to_str()))
-    exported = hf.tokenizer_json_from_encoding(vocab.encoding())
+    exported = hf_export.tokenizer_json_from_encoding(vocab.encoding())
     tokenizer = Tokenizer.from_str(json.dumps(exported))
     assert_same_ids(tokenizer, vocab.encoding(), TEXTS + mixed_texts(5, 300))
     again = hf.ranks_from_tokenizer_json(exported)
@@ -247,7 +248,7 @@ def test_export_of_a_converted_encoding_round_trips(trained, style):
 
 def test_the_shipped_vocabulary_exports_with_its_gpt2_files(tmp_path):
     enc = load_tokenizer("tinystories-4k")
-    out = hf.write_hf_tokenizer(enc, tmp_path / "hf", model_max_length=256)
+    out = hf_export.write_hf_tokenizer(enc, tmp_path / "hf", model_max_length=256)
     texts = TEXTS + mixed_texts(6, 200)
     assert_same_ids(Tokenizer.from_file(str(out / "tokenizer.json")), enc, texts)
     # GPT2Tokenizer's files: vocab.json, merges.txt and GPT-2's own split.
@@ -258,7 +259,7 @@ def test_the_shipped_vocabulary_exports_with_its_gpt2_files(tmp_path):
     assert_same_ids(gpt2_style, enc, texts)
     assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 256
     with pytest.raises(TokenizerError, match="eos_token '<eos>' is not a special token"):
-        hf.write_hf_tokenizer(enc, tmp_path / "bad", model_max_length=256, eos_token="<eos>")
+        hf_export.write_hf_tokenizer(enc, tmp_path / "bad", model_max_length=256, eos_token="<eos>")
 
 
 @pytest.mark.parametrize("first, split", [(b"ab", (b"ab", b"c")), (b"bc", (b"a", b"bc"))])
@@ -266,10 +267,10 @@ def test_merges_are_the_last_bpe_step_when_a_token_splits_two_ways(first, split)
     # "abc" is both "ab"+"c" and "a"+"bc"; BPE makes whichever pair is ranked first.
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({first: 256, ({b"ab", b"bc"} - {first}).pop(): 257, b"abc": 258})
-    assert hf.recover_merges(ranks)[-1] == split
+    assert hf_export.recover_merges(ranks)[-1] == split
     enc = tiktoken.Encoding(name="abc", pat_str=PATTERN, mergeable_ranks=ranks,
                             special_tokens={"<|endoftext|>": 259})
-    tokenizer = Tokenizer.from_str(json.dumps(hf.tokenizer_json_from_encoding(enc)))
+    tokenizer = Tokenizer.from_str(json.dumps(hf_export.tokenizer_json_from_encoding(enc)))
     assert_same_ids(tokenizer, enc, ["abc", "abcabc", "xabc", "zabcd", "ab bc abcbc", "cab"])
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 torch = pytest.importorskip("torch", reason="torch is the [hf] extra (a large download)")
 transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 
-from minigpt import hf_tokenizer, hub, sharding  # noqa: E402
+from minigpt import hf_tokenizer_export, hub, sharding  # noqa: E402
 from minigpt.generate import generate_tokens, load_for_generation  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
@@ -56,7 +56,7 @@ def _save(model, directory, tokenizer=None):
     model.save_pretrained(directory, safe_serialization=True)
     if tokenizer:
         (directory / "tokenizer.json").write_text(json.dumps(
-            hf_tokenizer.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
+            hf_tokenizer_export.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama-untied", "llama-tied"])

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from flax import nnx
 
 from minigpt.config import ConfigError, ModelConfig
+from minigpt.models.decoder import DecoderLM, count_params
 from minigpt.models.gpt2 import GPT2
-from minigpt.models.layers import DecoderLM, count_params
 from minigpt.models.llama import Llama
 from minigpt.models.minigpt import MiniGPT
 

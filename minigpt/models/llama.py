@@ -14,10 +14,9 @@ import jax
 from flax import nnx
 
 from minigpt.config import ModelConfig
+from minigpt.models.decoder import BlockStack, DecoderLM
 from minigpt.models.layers import (
     Attention,
-    BlockStack,
-    DecoderLM,
     Dense,
     Embedding,
     RMSNorm,

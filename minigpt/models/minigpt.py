@@ -12,11 +12,10 @@ import jax
 from flax import nnx
 
 from minigpt.config import ModelConfig
+from minigpt.models.decoder import BlockStack, DecoderLM
 from minigpt.models.layers import (
     MLP,
     Attention,
-    BlockStack,
-    DecoderLM,
     Dense,
     Embedding,
     LayerNorm,

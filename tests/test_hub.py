@@ -409,3 +409,15 @@ def test_a_new_run_starts_from_imported_weights_and_resumes(tmp_path, small_stor
     # the command that started it, with --resume added and a new end, goes on
     assert cli.run([*argv, "--resume", "--steps", "3"], train) == 0
     assert load_for_generation(new)[4] == 3
+
+
+def test_a_vocabulary_without_endoftext_exports_with_its_own_end_token(tmp_path):
+    config, w = llama_checkpoint(L=2)
+    hf = write_hf(tmp_path / "hf", config, w, tokenizer="tinystories-4k")
+    tokenizer = (hf / "tokenizer.json").read_text().replace("<|endoftext|>", "<|im_end|>")
+    (hf / "tokenizer.json").write_text(tokenizer)
+    assert hub.main(["import", str(hf), "--out", str(tmp_path / "run")]) == 0
+    assert hub.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    tokenizer_config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert generation["eos_token_id"] == 4095 and tokenizer_config["eos_token"] == "<|im_end|>"

@@ -43,7 +43,7 @@ from minigpt.tokenizer import TokenizerError, load_tokenizer
 USER_ERRORS = (ConfigError, PresetError, CheckpointError, DataError, TokenizerError, RunLocked)
 
 # Train fields that say which run this is: a resumed run keeps them.
-IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from")
+IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from", "optimizer")
 
 # Model fields a run started from another run's weights (--init-from) may change: how the model
 # runs, and its dropout.

@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
 DTYPES = ("float32", "bfloat16")
 KERNELS = ("auto", "reference", "cpu")  # see minigpt.kernels
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+OPTIMIZERS = ("adamw", "muon")  # see minigpt.steps.make_optimizer  # see minigpt.pipeline.schedules
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,11 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # "adamw", or "muon": Muon (orthogonalised momentum) for the blocks' weight matrices at
+    # peak rate muon_lr, AdamW at lr for embeddings, the head, biases and norm scales.
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
     seed: int = 0
     log_every: int = 10
     eval_every: int = 250
@@ -170,6 +176,11 @@ class TrainConfig:
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < -1:
             raise ConfigError("train.lr must be > 0, min_lr_ratio in [0, 1], warmup_steps >= 0 "
                               "(or -1: a tenth of the run, at most 100)")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown train.optimizer {self.optimizer!r}: choose one of "
+                              f"{', '.join(OPTIMIZERS)}")
+        if self.muon_lr <= 0 or not 0 <= self.muon_momentum < 1:
+            raise ConfigError("train.muon_lr must be > 0 and train.muon_momentum in [0, 1)")
         if self.time_budget < 0:
             raise ConfigError(f"train.time_budget must be >= 0 seconds, got {self.time_budget}")
         if self.pipeline_microbatches < 0:

@@ -81,9 +81,17 @@ class ReferenceKernels:
         """
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
+    def gated_activation(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+        """SwiGLU's hidden layer: silu(x @ w_gate) * (x @ w_up), x [B, T, D], w [D, F]."""
+        return jax.nn.silu(_project(x, w_gate)) * _project(x, w_up)
+
     def cross_entropy(self, model: nnx.Module, x: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean next-token cross-entropy of `model.logits` on features x [B, T, D]."""
         return cross_entropy(model.logits(x), targets)
+
+
+def _project(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("btd,df->btf", x, w)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -116,6 +124,9 @@ class CpuKernels(ReferenceKernels):
         if T % ATTENTION_BLOCK or T == ATTENTION_BLOCK:
             return super().causal_attention(q, k, v)
         return _blocked_causal_attention(q, k, v)
+
+    def gated_activation(self, x, w_gate, w_up):
+        return _gated_activation(x, w_gate, w_up)
 
     def cross_entropy(self, model, x, targets):
         return fused_cross_entropy(model, x, targets)
@@ -195,36 +206,106 @@ _add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 ATTENTION_BLOCK = 64
 
 
+@jax.custom_vjp
 def _blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention one block of 64 queries at a time, each against the keys up to its end."""
+    """Causal attention one block of 64 queries at a time, each against the keys up to its end,
+    with the backward pass written out. Left to autodiff, the softmax's backward summed
+    dP * P over every key of every block, which profiles showed costing more than the
+    attention's matmuls at T = 256; the written-out form takes that sum as dO . O over the
+    head's features instead (as flash attention does), a sum H long instead of T."""
+    return _blocked_attention_fwd(q, k, v)[0]
+
+
+def _query_blocks(T: int) -> list[tuple[int, int]]:
+    return [(start, min(start + ATTENTION_BLOCK, T)) for start in range(0, T, ATTENTION_BLOCK)]
+
+
+def _blocked_attention_fwd(q, k, v):
     B, T, N, H = q.shape
     K = k.shape[2]
-    G, bq = N // K, ATTENTION_BLOCK
-    q = q.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4) * (H ** -0.5)  # [B, K, G, T, H]
+    q = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4) * (H ** -0.5)  # [B, K, G, T, H]
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
-    blocks = []
-    for start in range(0, T, bq):
-        end = start + bq
+    blocks, probs = [], []
+    for start, end in _query_blocks(T):
         scores = jnp.einsum("bkgth,bksh->bkgts", q[:, :, :, start:end], k[:, :, :end])
         visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # [t, s]
         scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        blocks.append(jnp.einsum("bkgts,bksh->bkgth", probs, v[:, :, :end]))
+        probs.append(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
+        blocks.append(jnp.einsum("bkgts,bksh->bkgth", probs[-1], v[:, :, :end]))
     out = jnp.concatenate(blocks, axis=3)  # [B, K, G, T, H]
-    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H), (q, k, v, out, probs)
+
+
+def _blocked_attention_bwd(residuals, g):
+    q, k, v, out, probs = residuals  # q scaled, [B, K, G, T, H]; k, v [B, K, S, H]
+    B, K, G, T, H = q.shape
+    g = g.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+    # d(scores) = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(dO * O).
+    row = jnp.sum(g.astype(jnp.float32) * out, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+    d_q, d_k, d_v = [], jnp.zeros_like(k), jnp.zeros_like(v)
+    for (start, end), p in zip(_query_blocks(T), probs):
+        g_block = g[:, :, :, start:end]
+        d_p = jnp.einsum("bkgth,bksh->bkgts", g_block, v[:, :, :end])
+        d_s = (p * (d_p - row[:, :, :, start:end])).astype(q.dtype)
+        d_q.append(jnp.einsum("bkgts,bksh->bkgth", d_s, k[:, :, :end]))
+        d_k = d_k.at[:, :, :end].add(jnp.einsum("bkgts,bkgth->bksh", d_s, q[:, :, :, start:end]))
+        d_v = d_v.at[:, :, :end].add(jnp.einsum("bkgts,bkgth->bksh", p, g_block))
+    d_q = (jnp.concatenate(d_q, axis=3) * (H ** -0.5)).transpose(0, 3, 1, 2, 4)
+    return d_q.reshape(B, T, K * G, H), d_k.transpose(0, 2, 1, 3), d_v.transpose(0, 2, 1, 3)
+
+
+_blocked_causal_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
+
+
+# SwiGLU's gated hidden layer ----------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _gated_activation(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """ReferenceKernels.gated_activation with the backward pass written out. Left to autodiff,
+    XLA's CPU backend fused the silu's backward into a copy writing the hidden gradient
+    transposed, for the weight gradient's matmul, and that strided copy cost more than the
+    matmul (profile at width 128, F = 384); here the weight gradients are x^T-times products
+    of row-major gradients."""
+    return _gated_activation_fwd(x, w_gate, w_up)[0]
+
+
+def _gated_activation_fwd(x, w_gate, w_up):
+    gate, up = _project(x, w_gate), _project(x, w_up)
+    return jax.nn.silu(gate) * up, (x, w_gate, w_up, gate, up)
+
+
+def _gated_activation_bwd(residuals, g):
+    x, w_gate, w_up, gate, up = residuals
+    sig = jax.nn.sigmoid(gate)
+    d_up = g * gate * sig  # d/d up of silu(gate) * up
+    d_gate = g * up * sig * (1 + gate * (1 - sig))  # silu'(z) = s(z) (1 + z (1 - s(z)))
+    rows = x.reshape(-1, x.shape[-1]).T  # [D, R]
+    d_w_gate = jnp.dot(rows, d_gate.reshape(-1, d_gate.shape[-1])).astype(w_gate.dtype)
+    d_w_up = jnp.dot(rows, d_up.reshape(-1, d_up.shape[-1])).astype(w_up.dtype)
+    d_x = (jnp.einsum("btf,df->btd", d_gate, w_gate)
+           + jnp.einsum("btf,df->btd", d_up, w_up)).astype(x.dtype)
+    return d_x, d_w_gate, d_w_up
+
+
+_gated_activation.defvjp(_gated_activation_fwd, _gated_activation_bwd)
 
 
 # Fused, chunked cross-entropy ---------------------------------------------------------------
 
-# Tokens per chunk of the fused loss: [chunk, V] float32 logits stay around 100 MB for GPT-2's
-# vocabulary, small enough to be cheap to revisit, large enough for efficient matmuls.
+# Tokens per chunk of the fused loss, by vocabulary (measured, bench/RESULTS.md): for GPT-2's
+# 50k, [512, V] float32 logits (about 100 MB) are cheap to revisit and make efficient matmuls;
+# for a small vocabulary (TinyStories' 4,096) chunks of 128 tokens, whose 2 MB of logits stay in
+# cache, made the step 7% faster than 512.
 LOSS_CHUNK_TOKENS = 512
+SMALL_VOCAB, SMALL_VOCAB_CHUNK_TOKENS = 8192, 128
 
 
-def _chunk_len(batch: int, seq: int) -> int:
-    """The longest sequence chunk c dividing seq with batch * c <= LOSS_CHUNK_TOKENS (>= 1)."""
-    return max([c for c in range(1, seq + 1) if seq % c == 0 and batch * c <= LOSS_CHUNK_TOKENS]
-               or [1])
+def _chunk_len(batch: int, seq: int, vocab: int) -> int:
+    """The longest sequence chunk c dividing seq with batch * c at most the vocabulary's
+    chunk size (>= 1)."""
+    most = SMALL_VOCAB_CHUNK_TOKENS if vocab <= SMALL_VOCAB else LOSS_CHUNK_TOKENS
+    return max([c for c in range(1, seq + 1) if seq % c == 0 and batch * c <= most] or [1])
 
 
 def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> jax.Array:
@@ -245,7 +326,8 @@ def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> 
         return nnx.merge(graphdef, stand_in(), state).logits(xc)  # [R, V]
 
     B, T, _ = x.shape
-    return _fused_ce(chunk_logits, T // _chunk_len(B, T), sharding.active_ways("batch"),
+    vocab = model.config.padded_vocab
+    return _fused_ce(chunk_logits, T // _chunk_len(B, T, vocab), sharding.active_ways("batch"),
                      state, x, targets)
 
 

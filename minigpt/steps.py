@@ -9,6 +9,7 @@ its metrics as device scalars; the trainer decides when to look at them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,19 @@ from flax import nnx
 from minigpt import kernels, pipeline, sharding
 from minigpt.config import TrainConfig
 from minigpt.models import DecoderLM
-from minigpt.models.layers import DECAYED_PARAMETERS, row_keys
+from minigpt.models.layers import DECAYED_PARAMETERS, OUTPUT_PROJECTIONS, row_keys
 from minigpt.schedule import LRSchedule
+
+
+def _names(path: tuple) -> list[str]:
+    """The parameter names along a pytree path ("blocks", "layers", ..., "kernel"); a key
+    holding a whole "a/b/c" path (as `partition` makes) counts as its parts."""
+    names = []
+    for k in path:
+        key = getattr(k, "key", getattr(k, "name", None))
+        if isinstance(key, str):
+            names += key.split("/")
+    return names
 
 
 def decays(path: tuple) -> bool:
@@ -28,14 +40,36 @@ def decays(path: tuple) -> bool:
     embedding tables (the layers name them `kernel` and `table`) decay, biases and norm scales
     never, whatever their shape (a head bias is [heads, head_dim]; a stacked norm scale is
     [layers, embed])."""
-    name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
-    return name in DECAYED_PARAMETERS
+    return _names(path)[-1] in DECAYED_PARAMETERS
+
+
+def muon_dimensions(path: tuple, ndim: int) -> optax.contrib.MuonDimensionNumbers | None:
+    """How Muon sees the parameter at this path as a matrix [inputs, outputs], or None where
+    AdamW updates it (`train.optimizer = "muon"`).
+
+    Muon takes the blocks' weight matrices: every `kernel` under `blocks`, whose first axis is
+    the stacked layers (orthogonalised one layer at a time). A projection out to the embedding
+    (`out`: [layers, heads, head_dim, embed]; `down`: [layers, mlp, embed]) contracts every
+    middle axis; one in from it (query, key, value, up, gate: [layers, embed, ...]) contracts
+    the embedding. Embedding tables, the output head, biases and norm scales go to AdamW.
+    """
+    names = _names(path)
+    if "blocks" not in names or names[-1] != "kernel":
+        return None
+    if names[-2] in OUTPUT_PROJECTIONS:
+        return optax.contrib.MuonDimensionNumbers(tuple(range(1, ndim - 1)), ndim - 1)
+    return optax.contrib.MuonDimensionNumbers(1, tuple(range(2, ndim)))
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:
-    """AdamW after global-norm clipping; matrices and tables decay, biases and norm scales do
-    not (`decays`). The learning rate is not part of it: each update is given the run's
-    `LRSchedule` (`optimizer.update(model, grads, schedule=...)`)."""
+    """The run's optimizer after global-norm clipping: AdamW, or (`train.optimizer = "muon"`)
+    Muon for the blocks' matrices and AdamW for the rest (`muon_dimensions`). Matrices and
+    tables decay, biases and norm scales do not (`decays`). The learning rate is not part of
+    it: each update is given the run's `LRSchedule` (`optimizer.update(model, grads,
+    schedule=...)`); Muon's matrices move at that schedule times muon_lr / lr."""
+    if cfg.optimizer == "muon":
+        return _muon(cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip, cfg.muon_momentum,
+                     cfg.muon_lr / cfg.lr)
     return _adamw(cfg.beta1, cfg.beta2, cfg.weight_decay, cfg.grad_clip)
 
 
@@ -72,7 +106,94 @@ def _adamw(b1: float, b2: float, weight_decay: float,
         optax.add_decayed_weights(weight_decay, decay_mask),
         scale_by_schedule_given(),
     )
+    if clip is None:  # AdamW's part of Muon's optimizer, which clips before it splits
+        return adamw
     return optax.chain(optax.clip_by_global_norm(clip), adamw)
+
+
+@functools.cache
+def _muon(b1: float, b2: float, weight_decay: float, clip: float, momentum: float,
+          ratio: float) -> optax.GradientTransformationExtraArgs:
+    def dimensions(params):
+        return jax.tree_util.tree_map_with_path(lambda path, p: muon_dimensions(path, p.ndim),
+                                                params)
+
+    muon = optax.chain(
+        optax.contrib.scale_by_muon(beta=momentum, weight_dimension_numbers=dimensions),
+        scale_by_shape(),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale(ratio),
+        scale_by_schedule_given(),
+    )
+
+    def group(path, param):
+        return "adamw" if muon_dimensions(path, param.ndim) is None else "muon"
+
+    return optax.chain(optax.clip_by_global_norm(clip),
+                       partition({"muon": muon, "adamw": _adamw(b1, b2, weight_decay, None)},
+                                 group))
+
+
+def partition(transforms: dict[str, optax.GradientTransformation],
+              group: Callable[[tuple, jax.Array], str]) -> optax.GradientTransformationExtraArgs:
+    """Each transform updates the parameters `group(path, param)` names for it.
+
+    optax.multi_transform does this with placeholders where a group's parameters are absent;
+    NNX's optimizer state cannot hold those, so each group's transform here sees a flat dict
+    {"a/b/kernel": parameter} of its own parameters alone, and its state is built on that.
+    """
+    def split(tree):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
+        keys = ["/".join(_names(path)) for path, _ in leaves]
+        groups = [group(path, leaf) for path, leaf in leaves]
+        return keys, groups, [leaf for _, leaf in leaves], treedef
+
+    def pick(keys, groups, leaves, name):
+        return {k: leaf for k, g, leaf in zip(keys, groups, leaves) if g == name}
+
+    def init(params):
+        keys, groups, leaves, _ = split(params)
+        return {name: tx.init(pick(keys, groups, leaves, name))
+                for name, tx in transforms.items()}
+
+    def update(updates, state, params=None, **extra):
+        keys, groups, leaves, treedef = split(updates)
+        param_leaves = split(params)[2] if params is not None else None
+        new, new_state = dict(zip(keys, leaves)), {}
+        for name, tx in transforms.items():
+            mine = pick(keys, groups, param_leaves, name) if params is not None else None
+            done, new_state[name] = optax.with_extra_args_support(tx).update(
+                pick(keys, groups, leaves, name), state[name], mine, **extra)
+            new.update(done)
+        return treedef.unflatten([new[k] for k in keys]), new_state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def scale_by_shape() -> optax.GradientTransformation:
+    """Scale each orthogonalised update by sqrt(max(1, outputs / inputs)), as Keller Jordan's
+    Muon does, so a matrix wider than it is tall moves by the same amount per input."""
+    def update(updates, state, params=None):
+        del params
+        dims = jax.tree_util.tree_map_with_path(lambda path, u: muon_dimensions(path, u.ndim),
+                                                updates)
+
+        def scale(u, d):
+            if d is None:
+                return u
+            axes = [d.reduction_axis] if isinstance(d.reduction_axis, int) else d.reduction_axis
+            fan_in = int(np.prod([u.shape[a] for a in axes]))
+            return u * max(1.0, (u.size // u.shape[0] // fan_in) / fan_in) ** 0.5
+
+        return jax.tree.map(scale, updates, dims,
+                            is_leaf=lambda x: x is None or isinstance(
+                                x, optax.contrib.MuonDimensionNumbers)), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],

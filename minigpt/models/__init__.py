@@ -51,11 +51,14 @@ CONFIGS: dict[str, ModelConfig] = {
                               num_kv_heads=8, mlp_dim=256, num_layers=2),
     # Sized for a laptop CPU and ten minutes (recipes/stories-cpu.toml), chosen by held-out
     # bits per byte after a fixed wall-clock budget (bench/bench_stories.py): TinyStories'
-    # 4,096-token vocabulary, so the output layer is a small part of each step.
+    # 4,096-token vocabulary, so the output layer is a small part of each step. Four layers
+    # unrolled compile as fast as a scan and step 7% faster at this shape (bench/RESULTS.md).
     "llama-cpu": ModelConfig(**_LLAMA, **_STORIES, context_len=256, embed_dim=128,
-                             num_heads=4, num_kv_heads=4, mlp_dim=384, num_layers=4),
+                             num_heads=4, num_kv_heads=4, mlp_dim=384, num_layers=4,
+                             scan_layers=False),
     "minigpt-cpu": ModelConfig(arch="minigpt", **_STORIES, dropout=0.0, context_len=256,
-                               embed_dim=128, num_heads=4, mlp_dim=512, num_layers=4),
+                               embed_dim=128, num_heads=4, mlp_dim=512, num_layers=4,
+                               scan_layers=False),
 }
 
 

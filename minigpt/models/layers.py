@@ -30,6 +30,9 @@ ACTIVATION_AXES = ("batch", "seq", "embed")  # [B, T, D] between layers
 # The layers name every weight matrix `kernel` and every lookup table `table`; biases are `bias`
 # and norm scales `scale`. Weight decay goes by these names (minigpt.steps.decays).
 DECAYED_PARAMETERS = ("kernel", "table")
+# Projections from the block's inner features back to the embedding (attention's `out`, the
+# MLP's `down`): every axis but the last is an input. Muon reads them so (minigpt.steps).
+OUTPUT_PROJECTIONS = ("out", "down")
 
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...],

@@ -13,6 +13,7 @@ import math
 import jax
 from flax import nnx
 
+from minigpt import kernels
 from minigpt.config import ModelConfig
 from minigpt.models.decoder import BlockStack, DecoderLM
 from minigpt.models.layers import (
@@ -36,7 +37,10 @@ class SwiGLU(nnx.Module):
         self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))  # [B, T, D]
+        dtype = self.gate.dtype
+        hidden = kernels.active().gated_activation(  # silu(gate(x)) * up(x)
+            x.astype(dtype), self.gate.kernel[...].astype(dtype), self.up.kernel[...].astype(dtype))
+        return self.down(hidden)  # [B, T, D]
 
 
 class TransformerBlock(nnx.Module):

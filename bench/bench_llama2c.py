@@ -1,0 +1,180 @@
+"""minigpt beside llama2.c at llama2.c's own shape: training tokens per second, one CPU device.
+
+llama2.c (karpathy) trains Llama-style models on TinyStories in PyTorch, which is what a person
+with a laptop and ten minutes might pick instead of minigpt. This script runs its own `model.py`
+(read from ../shared/peers/, or MINIGPT_PEERS; never copied into this repository) the way its
+`train.py` steps: forward with targets, backward, gradient clipping at 1.0, AdamW with decay on
+2-D tensors, gradients set to None. Beside it runs minigpt's compiled train step on the
+`stories-cpu` recipe's model and optimizer settings. Contenders take turns (A B C A B C ...), each
+turn a fixed number of steps on the same random batch, so a change in the machine's load touches
+all of them alike; the table gives the median turn.
+
+    python bench/bench_llama2c.py                    # about 4 minutes on 2 cores
+    python bench/bench_llama2c.py --rounds 3 --steps 10 --no-record
+
+Shape (the recipe's `llama-cpu`): width 128, 4 layers, 4 heads, SwiGLU 384, vocabulary 4,096,
+context 256, batch 8. llama2.c ties its output layer to the embedding; the recipe does not, so
+minigpt is measured both ways. torch is an optional benchmark dependency (`pip install torch`);
+without it, or without the peer file, the script says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.report import append_section, table  # noqa: E402
+
+PEER = "llama2c_model.py"
+BATCH, VOCAB = 8, 4096
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("MINIGPT_PEERS", REPO.parent / "shared" / "peers"))
+
+
+def load_peer():
+    """llama2.c's model.py as a module, or exit saying what is missing."""
+    path = peers_dir() / PEER
+    if not path.is_file():
+        sys.exit(f"skipped: {path} not found (set MINIGPT_PEERS to the folder holding llama2.c's "
+                 f"model.py saved as {PEER})")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit("skipped: torch is not installed (pip install torch); it is only needed here")
+    spec = importlib.util.spec_from_file_location("llama2c_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def torch_contender(peer, cfg, tokens, *, compiled: bool):
+    """A function running n of llama2.c's training steps on one batch."""
+    import torch
+
+    torch.manual_seed(0)
+    args = peer.ModelArgs(dim=cfg.embed_dim, n_layers=cfg.num_layers, n_heads=cfg.num_heads,
+                          n_kv_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size,
+                          hidden_dim=cfg.mlp_dim, norm_eps=cfg.norm_eps,
+                          max_seq_len=cfg.context_len, dropout=0.0)
+    model = peer.Transformer(args)
+    optimizer = model.configure_optimizers(0.1, 6e-3, (0.9, 0.95), "cpu")
+    step_model = torch.compile(model) if compiled else model
+    x = torch.from_numpy(tokens[:, :-1]).long().contiguous()
+    y = torch.from_numpy(tokens[:, 1:]).long().contiguous()
+
+    def run(n: int) -> float:
+        for _ in range(n):
+            step_model(x, y)
+            loss = model.last_loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    return run
+
+
+def minigpt_contender(cfg, tokens):
+    """A function running n of minigpt's compiled train steps (the recipe's optimizer)."""
+    import jax
+    from flax import nnx
+
+    from minigpt import schedule, sharding, steps
+    from minigpt.config import TrainConfig
+    from minigpt.models import build_model
+
+    train_cfg = TrainConfig(batch_size=BATCH, lr=6e-3, weight_decay=0.1, steps=100_000)
+    model = build_model(cfg, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, steps.make_optimizer(train_cfg), wrt=nnx.Param)
+    rates = schedule.lr_schedule(train_cfg)
+    rng = jax.random.key(0)
+    preset = sharding.load_preset("dp")
+    mesh = sharding.make_mesh(preset)
+    with sharding.use_preset(preset, mesh):
+        batch = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                                   sharding.batch_sharding(preset, mesh))
+
+    def run(n: int) -> float:
+        with sharding.use_preset(preset, mesh):
+            for _ in range(n):
+                metrics = steps.train_step(model, optimizer, batch, rng, rates)
+            return float(metrics["loss"])
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="turns per contender")
+    parser.add_argument("--steps", type=int, default=20, help="steps per turn")
+    parser.add_argument("--no-record", action="store_true", help="print, do not append")
+    args = parser.parse_args()
+
+    peer = load_peer()
+    import jax
+    import numpy as np
+    import torch
+
+    from minigpt.models import get_config
+
+    cfg = get_config("llama-cpu")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (BATCH, cfg.context_len + 1))
+    tokens = tokens.astype(np.int32)
+    contenders = {
+        "minigpt (recipe: untied head)": minigpt_contender(cfg, tokens),
+        "minigpt (tied, as llama2.c)": minigpt_contender(
+            dataclasses.replace(cfg, tie_embeddings=True), tokens),
+        "llama2.c, PyTorch eager": torch_contender(peer, cfg, tokens, compiled=False),
+        "llama2.c, torch.compile": torch_contender(peer, cfg, tokens, compiled=True),
+    }
+    first = {}
+    for name, run in contenders.items():  # compile and warm up, untimed
+        start = time.perf_counter()
+        first[name] = run(3)
+        print(f"warm-up {name}: {time.perf_counter() - start:.1f} s, loss {first[name]:.3f}",
+              flush=True)
+    turns: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(args.rounds):
+        for name, run in contenders.items():
+            start = time.perf_counter()
+            run(args.steps)
+            turns[name].append(BATCH * cfg.context_len * args.steps
+                               / (time.perf_counter() - start))
+        print(f"round {r + 1}: " + ", ".join(f"{n.split(' (')[0].split(',')[-1].strip()} "
+                                             f"{t[-1]:,.0f}" for n, t in turns.items()),
+              flush=True)
+
+    best = statistics.median(turns["llama2.c, torch.compile"])
+    rows = [[name, f"{statistics.median(t):,.0f}", f"{min(t):,.0f}-{max(t):,.0f}",
+             f"{statistics.median(t) / best:.2f}x"] for name, t in turns.items()]
+    header = ["contender", "tokens/s (median)", "range", "vs torch.compile"]
+    if args.no_record:
+        print("\n".join(table(header, rows)))
+        return
+    append_section(
+        "minigpt beside llama2.c at its own shape: training tokens/s, one CPU device",
+        [f"shape: width {cfg.embed_dim}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
+         f"SwiGLU {cfg.mlp_dim}, vocabulary {VOCAB}, context {cfg.context_len}, batch {BATCH}; "
+         "float32; AdamW (decay 0.1 on matrices), clipping at 1.0",
+         f"llama2.c: its model.py (commit 350e04f, from {PEER} in ../shared/peers) stepped as "
+         f"its train.py does; torch {torch.__version__}, {torch.get_num_threads()} threads",
+         f"minigpt: `steps.train_step` (compiled once), kernels "
+         f"\"{cfg.kernels}\" on {jax.default_backend()}; jax {jax.__version__}",
+         f"{args.rounds} alternating turns of {args.steps} steps each after 3 warm-up steps "
+         "(compilation excluded for both); median and range of the turns"],
+        table(header, rows))
+
+if __name__ == "__main__":
+    main()

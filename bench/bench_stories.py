@@ -8,12 +8,20 @@ sample stories.
 
 Data, from the shared TinyStories files (MINIGPT_ASSETS, default ../shared/assets):
 - held out: the last 1,000 stories of TinyStories-subset-3k.txt that appear nowhere in the
-  training text (the two train heads are also what the tinystories-4k vocabulary was learnt from);
-- training: TinyStories-train-head.txt, TinyStoriesV2-GPT4-train-head.txt and the rest of the
-  subset (minus any story that is also held out).
+  training text (ASCII-normalised text; the two train heads are also what the tinystories-4k
+  vocabulary was learnt from);
+- held out too, scored beside it: the last 300 stories of TinyStoriesV2-GPT4-train-head.txt as
+  written (GPT-4's stories, with their curly quotes and dashes), removed from the training text;
+- training: TinyStories-train-head.txt, the rest of TinyStoriesV2-GPT4-train-head.txt and the
+  rest of the subset (minus any story that is also held out).
 Each held-out story is scored on its own, from its first token (predicted after <|endoftext|>,
 as in training), over its first 256 GPT-2 tokens of text; longer than the model's context, the
 rest is scored with a sliding window.
+
+Each run also saves a checkpoint every --curve-every steps; each is scored on the first 200
+held-out stories and drawn against its seconds of training (compilation and steps, from the
+run's metrics) in a PNG beside RESULTS.md, so the time to reach a given bits per byte is read off
+a picture.
 
     python bench/bench_stories.py --budget 10m \\
         --run "stories-cpu=--recipe stories-cpu" \\
@@ -40,12 +48,16 @@ from flax import nnx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.report import append_section, table  # noqa: E402
+from bench.report import RESULTS, append_section, table  # noqa: E402
+from minigpt.checkpoint import Checkpointer  # noqa: E402
 from minigpt.generate import generate, load_for_generation  # noqa: E402
+from minigpt.metrics import read_metrics, training_seconds  # noqa: E402
 from minigpt.stories import StoryFile  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
 HELD_OUT = 1000
+HELD_OUT_V2 = 300
+CURVE_STORIES = 200
 SCORED_GPT2_TOKENS = 256
 SUBSET = "TinyStories-subset-3k.txt"
 TRAIN_HEADS = ("TinyStories-train-head.txt", "TinyStoriesV2-GPT4-train-head.txt")
@@ -56,9 +68,11 @@ def read_stories(path: Path) -> list[str]:
     return [s for batch, _ in StoryFile(path).batches() for s in batch if s.strip()]
 
 
-def split_stories(assets: Path, work: Path) -> tuple[list[Path], list[str]]:
-    """Write the training text under `work`; return its files and the held-out stories."""
+def split_stories(assets: Path, work: Path) -> tuple[list[Path], list[str], list[str]]:
+    """Write the training text under `work`; return its files and the two held-out sets."""
     heads = [read_stories(assets / name) for name in TRAIN_HEADS]
+    v2_held = heads[1][-HELD_OUT_V2:]
+    heads[1] = heads[1][:-HELD_OUT_V2]
     seen = {s.strip() for stories in heads for s in stories}
     subset = read_stories(assets / SUBSET)
     held: list[str] = []
@@ -71,9 +85,11 @@ def split_stories(assets: Path, work: Path) -> tuple[list[Path], list[str]]:
     held_set = {s.strip() for s in held}
     rest = [s for s in subset[:len(subset) - len(held)] if s.strip() not in held_set]
     work.mkdir(parents=True, exist_ok=True)
-    train_rest = work / "subset-train.txt"
-    train_rest.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in rest))
-    return [assets / name for name in TRAIN_HEADS] + [train_rest], held
+    files = [assets / TRAIN_HEADS[0], work / "v2-train.txt", work / "subset-train.txt"]
+    for path, stories in zip(files[1:], (heads[1], rest)):
+        path.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in stories),
+                        encoding="utf-8")
+    return files, held, v2_held
 
 
 def scored_text(stories: list[str]) -> list[str]:
@@ -125,15 +141,54 @@ def score(model, tokenizer, texts: list[str], batch: int = 16) -> dict[str, floa
             "tokens": tokens, "bytes": text_bytes}
 
 
-def train(args: list[str], budget: str, data: list[Path], out: Path) -> float:
+def train(args: list[str], budget: str, data: list[Path], out: Path, curve_every: int) -> float:
     command = [sys.executable, "-m", "minigpt.train", *args, "--time-budget", budget,
                "--data", *map(str, data), "--set", f"data_root={out.parent.parent / 'data'}",
+               "--set", f"save_every={curve_every}", "--set", "keep_checkpoints=100000",
                "--out", str(out), "--no-sample"]
     print("$", shlex.join(command), flush=True)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=REPO, env=env)
     return time.perf_counter() - start
+
+
+def curve(out: Path, texts: list[str]) -> list[tuple[float, float]]:
+    """(seconds of training, bits per byte on `texts`) at each checkpoint of a run."""
+    saved = json.loads((out / "config.json").read_text())
+    tokens = saved["train"]["batch_size"] * (saved["train"]["seq_len"]
+                                             or saved["model"]["context_len"])
+    budget = saved.get("time_budget", {})
+    first = budget.get("compile_s", 0.0) + next(
+        (v["s_per_step"] for k, v in budget.items() if k.startswith("fit")), 0.0)
+    seconds = training_seconds(read_metrics(out / "metrics.jsonl"), tokens, first)
+    model, tokenizer, _, _, _ = load_for_generation(out)
+    checkpointer = Checkpointer(out / "checkpoints", read_only=True)
+    points = []
+    for step in checkpointer.all_steps():
+        checkpointer.restore(model, step=step)
+        points.append((seconds[step], score(model, tokenizer, texts)["bits_per_byte"]))
+    checkpointer.close()
+    return points
+
+
+def plot(curves: dict[str, list[tuple[float, float]]], path: Path, budget: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, points in curves.items():
+        ax.plot(*zip(*points), marker="o", markersize=3, label=name)
+    ax.set_xlabel("seconds of training (compilation and steps, one CPU device)")
+    ax.set_ylabel(f"held-out bits per byte ({CURVE_STORIES} stories)")
+    ax.set_title(f"Learning in a {budget} budget")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -143,6 +198,10 @@ def main() -> None:
                    help="a run: a name and the minigpt.train arguments it trains with")
     p.add_argument("--work", default="bench-stories", help="where runs and data go")
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--curve-every", type=int, default=100,
+                   help="steps between the checkpoints the learning curve is scored at")
+    p.add_argument("--plot", default="",
+                   help="the curve's PNG (default: bench/stories-BUDGET.png when recording)")
     args = p.parse_args()
     assets = Path(os.environ.get("MINIGPT_ASSETS", REPO.parent / "shared" / "assets"))
     assets = assets / "tinystories"
@@ -150,16 +209,17 @@ def main() -> None:
         sys.exit(f"error: {assets / SUBSET} not found: set MINIGPT_ASSETS to the offline "
                  f"assets directory")
     work = Path(args.work).resolve()
-    data, held = split_stories(assets, work / "text")
-    texts = scored_text(held)
-    rows, samples, scored_bytes = [], [], 0
+    data, held, v2_held = split_stories(assets, work / "text")
+    texts, v2_texts = scored_text(held), scored_text(v2_held)
+    rows, samples, scored_bytes, curves = [], [], 0, {}
     for spec in args.run:
         name, _, train_args = spec.partition("=")
         out = work / "runs" / name
-        wall = train(shlex.split(train_args), args.budget, data, out)
+        wall = train(shlex.split(train_args), args.budget, data, out, args.curve_every)
         saved = json.loads((out / "config.json").read_text())
         model, tokenizer, _, _, step = load_for_generation(out)
         result = score(model, tokenizer, texts)
+        v2 = score(model, tokenizer, v2_texts)
         scored_bytes = result["bytes"]
         cfg = saved["train"]
         seq = cfg["seq_len"] or saved["model"]["context_len"]
@@ -167,23 +227,42 @@ def main() -> None:
         stories = generate(model, tokenizer, list(PROMPTS), max_new_tokens=160,
                            temperature=0.8, top_k=50, rng=jax.random.key(0))
         rows.append([name, f"`{train_args}`", saved["model"]["tokenizer"],
-                     f"{result['bits_per_byte']:.3f}", f"{result['nats_per_token']:.3f}",
-                     step, f"{step * cfg['batch_size'] * seq / 1e6:.2f} M",
+                     f"{result['bits_per_byte']:.3f}", f"{v2['bits_per_byte']:.3f}",
+                     f"{result['nats_per_token']:.3f}", step,
+                     f"{step * cfg['batch_size'] * seq / 1e6:.2f} M",
                      f"{budget.get('compile_s', float('nan')):.1f}", f"{wall:.0f}"])
         samples += [f"**{name}** (step {step}):", ""]
         samples += [f"> {' '.join(s.split())}" + "\n" for s in stories]
         print(rows[-1], flush=True)
+        curves[name] = curve(out, texts[:CURVE_STORIES])
+        print(f"curve of {name}: " + ", ".join(f"{t:.0f} s {b:.3f}" for t, b in curves[name]),
+              flush=True)
+    png = Path(args.plot) if args.plot else None
+    if png is None and not args.no_record:
+        png = RESULTS.parent / f"stories-{args.budget}.png"
+    if png is not None:
+        plot(curves, png, args.budget)
+        print(f"learning curves: {png}")
     if not args.no_record:
+        non_ascii = sum(any(ord(c) > 127 for c in t) for t in v2_texts)
         append_section(
             f"learning in a {args.budget} budget: held-out bits per byte",
             [f"scored: {len(texts)} held-out TinyStories stories (last of {SUBSET}, none in the "
              f"training text), each from its first token, {SCORED_GPT2_TOKENS} GPT-2 tokens of "
              f"text at most, {scored_bytes:,} bytes in all",
-             "training text: the two shared train heads + the rest of the subset; one CPU "
+             f"V2 bits/byte: the last {len(v2_texts)} stories of {TRAIN_HEADS[1]} as written "
+             f"({non_ascii} with non-ASCII punctuation), held out of the training text, scored "
+             f"the same way",
+             f"learning curve: {png.name} (the first {CURVE_STORIES} held-out stories scored at "
+             f"every {args.curve_every}th step's checkpoint, against seconds of compilation and "
+             "steps)",
+             f"training text: {TRAIN_HEADS[0]}, the rest of {TRAIN_HEADS[1]} and of the "
+             "subset; one CPU "
              "device; the budget includes compilation (wall = the whole command, with data "
              "preparation, the final evaluation and checkpoint)",
              "samples: temperature 0.8, top-k 50, key 0, 160 new tokens"],
-            table(["run", "train arguments", "tokenizer", "bits/byte", "nats/token", "steps",
+            table(["run", "train arguments", "tokenizer", "bits/byte", "V2 bits/byte",
+                   "nats/token", "steps",
                    "tokens seen", "compile (s)", "wall (s)"], rows) + ["", *samples])
 
 

@@ -199,6 +199,9 @@ def _resumed(args: argparse.Namespace, given: dict[str, Any],
         recipe = load_recipe(args.recipe)
         wanted, _ = recipe_configs(args.recipe, model=args.model)
         says.update(recipe.train_fields, recipe=recipe.name, model=args.model or recipe.model)
+        # A run keeps the optimizer its checkpoints hold state for, though its recipe has since
+        # changed to another (stories-cpu moved from AdamW to Muon); naming one is checked.
+        says.pop("optimizer", None)
     elif args.model:
         wanted = get_config(args.model)
         says["model"] = args.model

@@ -1,15 +1,19 @@
 """Kernels: the few operations whose fastest form depends on the backend, each beside a plain one.
 
-Four operations of a train step are written twice. `ReferenceKernels` is the plain form a reader
+Five operations of a train step are written twice. `ReferenceKernels` is the plain form a reader
 recognises (`jax.nn`, `optax`, autodiff does the rest) and what accelerators run. `CpuKernels`
-is tuned for XLA's CPU backend, where profiles of the step showed three costs plain code pays:
+is tuned for XLA's CPU backend, where profiles of the step showed costs plain code pays:
 
 - row sums (every bias and norm-scale gradient) run about 100x slower than the equivalent
   product with a vector of ones, so those gradients are written out as such products;
 - full causal attention materialises [B, N, T, T] scores; attending block by block skips the
-  blocks above the diagonal and keeps each block's scores in cache (2-3x faster);
+  blocks above the diagonal and keeps each block's scores in cache (2-3x faster), and its
+  written-out backward pass avoids the softmax's long row sums;
+- SwiGLU's gated layer, left to autodiff, wrote its hidden gradient transposed for the weight
+  gradients, a strided copy dearer than the matmuls at a small width;
 - the cross-entropy over a 50k vocabulary dominates a small model's step; a fused, chunked pass
-  never stores the [B, T, V] logits and forms each chunk's gradient while its logits are at hand.
+  never stores the [B, T, V] logits and forms each chunk's gradient while its logits are at hand
+  (chunks sized by the vocabulary).
 
 `ModelConfig.kernels` chooses: "reference", "cpu", or "auto" (the default: "cpu" on the CPU
 backend, "reference" elsewhere). A model puts its choice in the context its code runs in

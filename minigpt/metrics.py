@@ -107,6 +107,20 @@ class MetricsLog:
             self._file.close()
 
 
+def training_seconds(records: list[dict[str, Any]], tokens_per_step: int,
+                     first_step_s: float) -> dict[int, float]:
+    """Seconds of training at the end of each logged step: the first step (compilation and
+    all, `first_step_s`) plus each later step's time, read back from its tokens/s. Evaluation
+    and checkpoint pauses are not steps and are left out (a step without a speed, the first
+    after a resume, adds nothing)."""
+    seconds, clock = {}, first_step_s
+    for record in sorted((r for r in records if "loss" in r), key=lambda r: r["step"]):
+        if seconds and record.get("tokens_per_s"):
+            clock += tokens_per_step / record["tokens_per_s"]
+        seconds[record["step"]] = clock
+    return seconds
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every complete record of a metrics.jsonl file.
 

@@ -64,6 +64,26 @@ def test_a_recipe_run_resumes_with_its_recipe_and_keeps_the_steps_its_budget_fix
     assert resumed.steps == 2000 and resumed.time_budget == 0
 
 
+def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
+    """stories-cpu now trains with Muon; a run it started with AdamW (config.json written
+    before the optimizer fields existed) resumes with AdamW, whose state its checkpoints hold."""
+    run = tmp_path / "stories"
+    model, cfg = configs("--recipe", "stories-cpu", "--out", str(run))
+    assert cfg.optimizer == "muon"
+    run.mkdir()
+    save_run_config(run / "config.json", model, dataclasses.replace(cfg, steps=1363),
+                    preset=cfg.preset)
+    saved = json.loads((run / "config.json").read_text())
+    for name in ("optimizer", "muon_lr", "muon_momentum"):
+        del saved["train"][name]
+    (run / "config.json").write_text(json.dumps(saved))
+    _, resumed = configs("--recipe", "stories-cpu", "--out", str(run), "--resume")
+    assert resumed.optimizer == "adamw" and resumed.steps == 1363
+    with pytest.raises(ConfigError, match="optimizer: 'adamw' -> 'muon'"):
+        configs("--recipe", "stories-cpu", "--set", "train.optimizer=muon", "--out", str(run),
+                "--resume")
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--model", "minigpt-tiny", "--set", "model.num_layers=8"], "dropout: 0.0 -> 0.1"),
     (["--set", "model.embed_dim=128"], "embed_dim: 64 -> 128"),

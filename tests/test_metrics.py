@@ -97,3 +97,13 @@ def test_tensorboard_shows_every_metric_at_every_step_and_a_restart_replaces_the
     board.close()
     assert tensorboard_scalars(tmp_path / "tb") == expected(RECORDS[:3] + [again])
     assert (tmp_path / "tb" / "plugins" / "profile").is_dir()
+
+
+def test_training_seconds_adds_up_step_times_after_the_first():
+    # 1,000 tokens a step: 500 tokens/s is 2 s a step, 1,000 is 1 s; the eval record and the
+    # first step after a resume (no speed) add nothing.
+    records = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "tokens_per_s": 500.0},
+               {"step": 2, "eval_loss": 4.1}, {"step": 3, "loss": 3.5, "tokens_per_s": 1000.0},
+               {"step": 4, "loss": 3.4}]
+    assert metrics.training_seconds(records, 1000, first_step_s=9.0) == {
+        1: 9.0, 2: 11.0, 3: 12.0, 4: 12.0}

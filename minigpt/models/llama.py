@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 from flax import nnx
 
 from minigpt import kernels

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from bench.report import RESULTS, append_section, table  # noqa: E402
 from minigpt.checkpoint import Checkpointer  # noqa: E402
 from minigpt.generate import generate, load_for_generation  # noqa: E402
-from minigpt.metrics import read_metrics, training_seconds  # noqa: E402
+from minigpt.metrics import run_training_seconds  # noqa: E402
 from minigpt.stories import StoryFile  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
@@ -155,13 +155,7 @@ def train(args: list[str], budget: str, data: list[Path], out: Path, curve_every
 
 def curve(out: Path, texts: list[str]) -> list[tuple[float, float]]:
     """(seconds of training, bits per byte on `texts`) at each checkpoint of a run."""
-    saved = json.loads((out / "config.json").read_text())
-    tokens = saved["train"]["batch_size"] * (saved["train"]["seq_len"]
-                                             or saved["model"]["context_len"])
-    budget = saved.get("time_budget", {})
-    first = budget.get("compile_s", 0.0) + next(
-        (v["s_per_step"] for k, v in budget.items() if k.startswith("fit")), 0.0)
-    seconds = training_seconds(read_metrics(out / "metrics.jsonl"), tokens, first)
+    seconds = run_training_seconds(out)
     model, tokenizer, _, _, _ = load_for_generation(out)
     checkpointer = Checkpointer(out / "checkpoints", read_only=True)
     points = []

@@ -28,8 +28,8 @@ class ConfigError(ValueError):
 
 DTYPES = ("float32", "bfloat16")
 KERNELS = ("auto", "reference", "cpu")  # see minigpt.kernels
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-OPTIMIZERS = ("adamw", "muon")  # see minigpt.steps.make_optimizer  # see minigpt.pipeline.schedules
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
+OPTIMIZERS = ("adamw", "muon")  # see minigpt.steps.make_optimizer
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,19 @@ def training_seconds(records: list[dict[str, Any]], tokens_per_step: int,
     return seconds
 
 
+def run_training_seconds(run: Path) -> dict[int, float]:
+    """`training_seconds` of a run directory: its tokens per step from config.json, and its
+    first step from the time budget's record (compilation plus the fitted step time; 0 for a
+    run without a budget, whose first step was not timed)."""
+    saved = json.loads((run / "config.json").read_text())
+    train = saved["train"]
+    tokens = train["batch_size"] * (train["seq_len"] or saved["model"]["context_len"])
+    budget = saved.get("time_budget", {})
+    fitted = next((v["s_per_step"] for k, v in budget.items() if k.startswith("fit")), 0.0)
+    return training_seconds(read_metrics(run / "metrics.jsonl"), tokens,
+                            budget.get("compile_s", 0.0) + fitted)
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every complete record of a metrics.jsonl file.
 

@@ -9,6 +9,7 @@ its metrics as device scalars; the trainer decides when to look at them.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -177,21 +178,18 @@ def _is_variable(x) -> bool:
 def scale_by_shape() -> optax.GradientTransformation:
     """Scale each orthogonalised update by sqrt(max(1, outputs / inputs)), as Keller Jordan's
     Muon does, so a matrix wider than it is tall moves by the same amount per input."""
+    def size(u, axes):
+        return math.prod(u.shape[a] for a in ((axes,) if isinstance(axes, int) else axes))
+
+    def scale(path, u):
+        d = muon_dimensions(path, u.ndim)
+        if d is None:
+            return u
+        return u * max(1.0, size(u, d.output_axis) / size(u, d.reduction_axis)) ** 0.5
+
     def update(updates, state, params=None):
         del params
-        dims = jax.tree_util.tree_map_with_path(lambda path, u: muon_dimensions(path, u.ndim),
-                                                updates)
-
-        def scale(u, d):
-            if d is None:
-                return u
-            axes = [d.reduction_axis] if isinstance(d.reduction_axis, int) else d.reduction_axis
-            fan_in = int(np.prod([u.shape[a] for a in axes]))
-            return u * max(1.0, (u.size // u.shape[0] // fan_in) / fan_in) ** 0.5
-
-        return jax.tree.map(scale, updates, dims,
-                            is_leaf=lambda x: x is None or isinstance(
-                                x, optax.contrib.MuonDimensionNumbers)), state
+        return jax.tree_util.tree_map_with_path(scale, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 

@@ -107,3 +107,15 @@ def test_training_seconds_adds_up_step_times_after_the_first():
                {"step": 4, "loss": 3.4}]
     assert metrics.training_seconds(records, 1000, first_step_s=9.0) == {
         1: 9.0, 2: 11.0, 3: 12.0, 4: 12.0}
+
+
+def test_a_run_directory_gives_its_training_seconds(tmp_path):
+    # 8 x 32 tokens a step (seq_len 0: the model's context), a first step of compilation 5 s
+    # plus the fitted 0.5 s, later steps at 512 tokens/s (0.5 s each).
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model": {"context_len": 32}, "train": {"batch_size": 8, "seq_len": 0},
+        "time_budget": {"compile_s": 5.0, "fit1": {"at_step": 2, "s_per_step": 0.5}}}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "tokens_per_s": 512.0},
+        {"step": 3, "loss": 3.0, "tokens_per_s": 512.0}]))
+    assert metrics.run_training_seconds(tmp_path) == {1: 5.5, 2: 6.0, 3: 6.5}

@@ -198,10 +198,11 @@ def _resumed(args: argparse.Namespace, given: dict[str, Any],
     if args.recipe:
         recipe = load_recipe(args.recipe)
         wanted, _ = recipe_configs(args.recipe, model=args.model)
-        says.update(recipe.train_fields, recipe=recipe.name, model=args.model or recipe.model)
-        # A run keeps the optimizer its checkpoints hold state for, though its recipe has since
-        # changed to another (stories-cpu moved from AdamW to Muon); naming one is checked.
-        says.pop("optimizer", None)
+        # The recipe names the run, but its training settings are the ones the run saved when
+        # it started: a recipe edited since (stories-cpu moved from AdamW to Muon, and to
+        # other rates) must not switch an optimizer whose state the checkpoints hold, or make
+        # the learning rate jump. Flags and --set still say how to go on.
+        says.update(recipe=recipe.name, model=args.model or recipe.model)
     elif args.model:
         wanted = get_config(args.model)
         says["model"] = args.model

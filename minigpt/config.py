@@ -138,6 +138,10 @@ class TrainConfig:
     # whose step count changed records here the decay it continues with (see the README).
     decay_start: int = -1
     decay_start_lr: float = 0.0
+    # The last part of the run the rate decays over, as a fraction of it (0: all of it after
+    # the warm-up): 0.3 holds the peak until 70% of the steps, warm-up-stable-decay, and keeps
+    # that share when a time budget refits the step count.
+    decay_fraction: float = 0.0
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -194,6 +198,9 @@ class TrainConfig:
                               f"{self.pipeline_repeats}")
         if self.decay_steps < 0:
             raise ConfigError(f"train.decay_steps must be >= 0, got {self.decay_steps}")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction must be in [0, 1] (0: decay all the way "
+                              f"from the warm-up), got {self.decay_fraction}")
         if self.decay_start < -1 or self.decay_start_lr < 0:
             raise ConfigError("train.decay_start must be >= 0 (or -1: where the warm-up ends) "
                               "and train.decay_start_lr >= 0 (0: the peak rate)")

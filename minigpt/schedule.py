@@ -49,21 +49,29 @@ class LRSchedule:
 
 
 def lr_schedule(cfg: TrainConfig) -> LRSchedule:
-    warmup = warmup_for(cfg)
+    warmup, end = warmup_for(cfg), cfg.decay_steps or cfg.steps
+    start = cfg.decay_start
+    if start < 0 and cfg.decay_fraction:  # warm-up-stable-decay: the last part of the run
+        start = end - round(cfg.decay_fraction * end)
     return LRSchedule(peak=cfg.lr, floor=cfg.lr * cfg.min_lr_ratio, warmup=warmup,
-                      decay_start=max(cfg.decay_start, warmup),
-                      decay_from=cfg.decay_start_lr or cfg.lr,
-                      decay_end=cfg.decay_steps or cfg.steps)
+                      decay_start=max(start, warmup), decay_from=cfg.decay_start_lr or cfg.lr,
+                      decay_end=end)
 
 
 def continued(saved: TrainConfig, wanted: TrainConfig, step: int) -> tuple[TrainConfig, str]:
     """How a run resumed at `step` with another end (`wanted.steps`, its saved one was
     `saved.steps`) goes on, and a line saying so: from the learning rate it has reached, a new
-    cosine to the floor at the new end (a run still warming up finishes its warm-up and decays
-    from the peak), so the rate never jumps. The warm-up keeps its saved length."""
-    warmup = warmup_for(saved)
-    rate = float(lr_schedule(saved)(step))
-    start, start_lr = (step, rate) if step >= warmup else (warmup, saved.lr)
+    cosine to the floor at the new end, so the rate never jumps. A run still warming up or
+    holding its peak (warm-up-stable-decay) goes on doing so and decays from the peak where the
+    new end puts its decay. The warm-up keeps its saved length."""
+    warmup, rates = warmup_for(saved), lr_schedule(saved)
+    rate = float(rates(step))
+    if step < rates.decay_start:  # not decaying yet: decay where the new end says
+        fresh = lr_schedule(dataclasses.replace(wanted, warmup_steps=warmup, decay_start=-1,
+                                                decay_start_lr=0.0))
+        start, start_lr = max(step, fresh.decay_start), saved.lr
+    else:
+        start, start_lr = step, rate
     cfg = dataclasses.replace(wanted, warmup_steps=warmup, decay_start=start,
                               decay_start_lr=start_lr)
     return cfg, (f"the run now ends at step {cfg.steps} instead of {saved.steps}: the learning "

@@ -84,6 +84,33 @@ def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
                 "--resume")
 
 
+def test_a_recipe_run_keeps_its_schedule_when_the_recipe_changes_it(tmp_path):
+    """A run saved before `decay_fraction` existed (a cosine from the warm-up) resumes with that
+    cosine, its warm-up and its rate though its recipe has since moved to other ones, so its
+    rate does not jump. A --set on the command line still applies."""
+    recipe = tmp_path / "laptop.toml"
+    text = ('[model]\nname = "llama-cpu"\n\n[train]\ntime_budget = "10m"\nbatch_size = 8\n'
+            'lr = 6e-3\n')
+    recipe.write_text(text)
+    run = tmp_path / "stories"
+    model, cfg = configs("--recipe", str(recipe), "--out", str(run))
+    run.mkdir()
+    save_run_config(run / "config.json", model, dataclasses.replace(cfg, steps=1000),
+                    preset=cfg.preset, time_budget={"seconds": 600.0, "steps": 1000})
+    saved = json.loads((run / "config.json").read_text())
+    del saved["train"]["decay_fraction"]
+    (run / "config.json").write_text(json.dumps(saved))
+    recipe.write_text(text.replace("6e-3", "1e-2") + "warmup_steps = 30\ndecay_fraction = 0.3\n")
+    new = configs("--recipe", str(recipe), "--out", str(tmp_path / "new"))[1]
+    assert (new.lr, new.warmup_steps, new.decay_fraction) == (1e-2, 30, 0.3)
+    _, resumed = configs("--recipe", str(recipe), "--out", str(run), "--resume")
+    assert (resumed.lr, resumed.warmup_steps, resumed.decay_fraction) == (6e-3, -1, 0.0)
+    assert resumed.steps == 1000
+    _, resumed = configs("--recipe", str(recipe), "--set", "train.decay_fraction=0.2",
+                         "--out", str(run), "--resume")
+    assert resumed.decay_fraction == 0.2
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--model", "minigpt-tiny", "--set", "model.num_layers=8"], "dropout: 0.0 -> 0.1"),
     (["--set", "model.embed_dim=128"], "embed_dim: 64 -> 128"),

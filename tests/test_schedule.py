@@ -57,3 +57,33 @@ def test_extending_during_the_warm_up_finishes_it_then_decays_from_the_peak():
     # The warm-up keeps its length (a tenth of 300 would be 30): no change to the rate at step 5.
     assert rates_at(cfg, 5, 9, 10, 155, 300) == pytest.approx(
         [6e-4, 1e-3, 1e-3, 5.5e-4, 1e-4])
+
+
+def test_a_decay_fraction_holds_the_peak_and_decays_over_the_last_part_of_the_run():
+    cfg = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1, decay_fraction=0.3)
+    assert schedule.lr_schedule(cfg).decay_start == 70
+    assert rates_at(cfg, 9, 10, 69, 70, 85, 100) == pytest.approx(
+        [1e-3, 1e-3, 1e-3, 1e-3, 0.55e-3, 1e-4])
+    # A time budget refits the step count: the decay keeps its share of the new length.
+    assert schedule.lr_schedule(dataclasses.replace(cfg, steps=1000)).decay_start == 700
+    # The whole run (1) is the plain cosine from the warm-up's end.
+    assert schedule.lr_schedule(dataclasses.replace(cfg, decay_fraction=1.0)).decay_start == 10
+
+
+def test_extending_a_run_holding_its_peak_decays_over_the_same_share_of_the_new_end():
+    saved = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1, decay_fraction=0.3)
+    cfg, _ = schedule.continued(saved, dataclasses.replace(saved, steps=200), 50)
+    assert (cfg.decay_start, cfg.decay_start_lr) == (140, 1e-3)
+    assert rates_at(cfg, 50, 139, 170, 200) == pytest.approx([1e-3, 1e-3, 0.55e-3, 1e-4])
+    # Shortened so that its decay should already have begun: it decays from here, no jump.
+    cfg, _ = schedule.continued(saved, dataclasses.replace(saved, steps=60), 50)
+    assert rates_at(cfg, 50, 55, 60) == pytest.approx([1e-3, 0.55e-3, 1e-4])
+    # Already decaying: on from the rate it has reached, as a cosine run does.
+    cfg, _ = schedule.continued(saved, dataclasses.replace(saved, steps=200), 85)
+    assert rates_at(cfg, 85) == pytest.approx([0.55e-3])
+    assert rates_at(cfg, 200) == pytest.approx([1e-4])
+
+
+def test_a_decay_fraction_outside_zero_to_one_is_refused():
+    with pytest.raises(Exception, match="decay_fraction must be in"):
+        TrainConfig(decay_fraction=1.5)

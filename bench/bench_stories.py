@@ -153,10 +153,10 @@ def train(args: list[str], budget: str, data: list[Path], out: Path, curve_every
     return time.perf_counter() - start
 
 
-def curve(out: Path, texts: list[str]) -> list[tuple[float, float]]:
-    """(seconds of training, bits per byte on `texts`) at each checkpoint of a run."""
+def curve(out: Path, model, tokenizer, texts: list[str]) -> list[tuple[float, float]]:
+    """(seconds of training, bits per byte on `texts`) at each checkpoint of a run, restored
+    in turn into `model` (the run's, as loaded for scoring)."""
     seconds = run_training_seconds(out)
-    model, tokenizer, _, _, _ = load_for_generation(out)
     checkpointer = Checkpointer(out / "checkpoints", read_only=True)
     points = []
     for step in checkpointer.all_steps():
@@ -228,7 +228,7 @@ def main() -> None:
         samples += [f"**{name}** (step {step}):", ""]
         samples += [f"> {' '.join(s.split())}" + "\n" for s in stories]
         print(rows[-1], flush=True)
-        curves[name] = curve(out, texts[:CURVE_STORIES])
+        curves[name] = curve(out, model, tokenizer, texts[:CURVE_STORIES])
         print(f"curve of {name}: " + ", ".join(f"{t:.0f} s {b:.3f}" for t, b in curves[name]),
               flush=True)
     png = Path(args.plot) if args.plot else None
@@ -251,13 +251,12 @@ def main() -> None:
              f"every {args.curve_every}th step's checkpoint, against seconds of compilation and "
              "steps)",
              f"training text: {TRAIN_HEADS[0]}, the rest of {TRAIN_HEADS[1]} and of the "
-             "subset; one CPU "
-             "device; the budget includes compilation (wall = the whole command, with data "
-             "preparation, the final evaluation and checkpoint)",
+             "subset; one CPU device; the budget includes compilation (wall = the whole "
+             "command, with data preparation, the final evaluation and checkpoint)",
              "samples: temperature 0.8, top-k 50, key 0, 160 new tokens"],
             table(["run", "train arguments", "tokenizer", "bits/byte", "V2 bits/byte",
-                   "nats/token", "steps",
-                   "tokens seen", "compile (s)", "wall (s)"], rows) + ["", *samples])
+                   "nats/token", "steps", "tokens seen", "compile (s)", "wall (s)"], rows)
+            + ["", *samples])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from minigpt import schedule
-from minigpt.config import TrainConfig
+from minigpt.config import ConfigError, TrainConfig
 
 
 def rates_at(cfg: TrainConfig, *steps: int) -> list[float]:
@@ -85,5 +85,5 @@ def test_extending_a_run_holding_its_peak_decays_over_the_same_share_of_the_new_
 
 
 def test_a_decay_fraction_outside_zero_to_one_is_refused():
-    with pytest.raises(Exception, match="decay_fraction must be in"):
+    with pytest.raises(ConfigError, match="decay_fraction must be in"):
         TrainConfig(decay_fraction=1.5)

@@ -303,6 +303,11 @@ _gated_activation.defvjp(_gated_activation_fwd, _gated_activation_bwd)
 # cache, made the step 7% faster than 512.
 LOSS_CHUNK_TOKENS = 512
 SMALL_VOCAB, SMALL_VOCAB_CHUNK_TOKENS = 8192, 128
+# With a small vocabulary the chunks' logit gradients are kept, up to this many (256 MB of
+# float32), and pulled back through the head in two whole-batch products after the loop: the
+# per-chunk product for the features' gradient, [128, V] x [V, D], ran on one core at half the
+# rate of the whole-batch one (bench/RESULTS.md, 2026-11-24).
+HOISTED_LOGITS = 1 << 26
 
 
 def _chunk_len(batch: int, seq: int, vocab: int) -> int:
@@ -317,9 +322,10 @@ def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> 
 
     Equal to cross_entropy(model.logits(x), targets), but never holds the [B, T, V] logits:
     the head runs chunk by chunk along the sequence, and each chunk's gradient (softmax minus
-    the one-hot target, pulled back through the head) is formed while its logits are at hand.
-    That is three matmuls per chunk, as plain autodiff needs, and two passes over the logits
-    instead of about six. Chunks split the sequence, not the batch, so batch sharding holds.
+    the one-hot target) is formed while its logits are at hand. That is three matmuls per
+    chunk, as plain autodiff needs, and two passes over the logits instead of about six. Chunks
+    split the sequence, not the batch, so batch sharding holds. With a small vocabulary the
+    logit gradients are kept and the two pull-back matmuls run once over the whole batch.
     """
     # Only the parameters the head uses go through the loss; the block stack, which it never
     # touches, is left out (no zero gradients for it to carry through the loop).
@@ -331,16 +337,28 @@ def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> 
 
     B, T, _ = x.shape
     vocab = model.config.padded_vocab
+    hoist = vocab <= SMALL_VOCAB and B * T * vocab <= HOISTED_LOGITS
     return _fused_ce(chunk_logits, T // _chunk_len(B, T, vocab), sharding.active_ways("batch"),
-                     state, x, targets)
+                     hoist, state, x, targets)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused_ce(chunk_logits, chunks, shards, state, x, targets):
-    return _fused_ce_fwd(chunk_logits, chunks, shards, state, x, targets)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fused_ce(chunk_logits, chunks, shards, hoist, state, x, targets):
+    return _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets)[0]
 
 
-def _fused_ce_fwd(chunk_logits, chunks, shards, state, x, targets):
+def _loss_and_d_logits(logits, targets):
+    """Summed cross-entropy of rows of logits [R, V] and its gradient, softmax minus one-hot."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
+    # Exponentials once, kept: the compiler would otherwise compute them twice, for the
+    # normaliser and for the softmax, and exp is the costliest elementwise op here.
+    e = jax.lax.optimization_barrier(jnp.exp(logits - top))  # [R, V]
+    total = jnp.sum(e, axis=-1, keepdims=True)  # [R, 1]
+    loss = jnp.sum(top + jnp.log(total) - target_logits(logits, targets)[:, None])
+    return loss, e / total - jax.nn.one_hot(targets, logits.shape[-1])
+
+
+def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
     B, T, D = x.shape
     c, S = T // chunks, shards
     # [n, S, B*c/S, D]: each chunk flattened to rows (so the head's matmuls are plain 2-D) and
@@ -350,41 +368,46 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, state, x, targets):
     ts = jnp.swapaxes(targets.reshape(B, chunks, c), 0, 1).reshape(chunks, S, B * c // S)
     xs = sharding.constrain(xs, (None, "batch", None, None))
     ts = sharding.constrain(ts, (None, "batch", None))
-
-    def shard_chunk(state, xc, tc):
-        logits, pull_back = jax.vjp(chunk_logits, state, xc)  # [R, V]
-        top = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
-        # Exponentials once, kept: the compiler would otherwise compute them twice, for the
-        # normaliser and for the softmax, and exp is the costliest elementwise op here.
-        e = jax.lax.optimization_barrier(jnp.exp(logits - top))  # [R, V]
-        total = jnp.sum(e, axis=-1, keepdims=True)  # [R, 1]
-        target_logit = target_logits(logits, tc)[:, None]  # [R, 1]
-        loss = jnp.sum(top + jnp.log(total) - target_logit)
-        d_logits = e / total - jax.nn.one_hot(tc, logits.shape[-1])
-        d_state, d_xc = pull_back(d_logits)
-        return loss, d_state, d_xc
-
-    def one_chunk(carry, inputs):
-        loss_s, d_state_s, d_xc = jax.vmap(shard_chunk, in_axes=(None, 0, 0))(state, *inputs)
-        return jax.tree.map(jnp.add, carry, (loss_s, d_state_s)), d_xc
-
-    def per_shard_zeros(var):
-        axes = var.get_metadata().get("out_sharding") or (None,) * var.ndim
-        zeros = jnp.zeros((S, *var.shape), var.dtype)
-        return var.replace(sharding.constrain(zeros, ("batch", *axes)))
-
-    zeros = jax.tree.map(per_shard_zeros, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
     losses = sharding.constrain(jnp.zeros((S,), jnp.float32), ("batch",))
-    # Inside a pipeline stage (shard_map) the sums vary from stage to stage as their terms do.
-    carry = sharding.varying_as((losses, zeros), state, x)
-    (loss, d_state), d_xs = jax.lax.scan(one_chunk, carry, (xs, ts))
-    loss, d_state = jax.tree.map(lambda d: jnp.sum(d, axis=0), (loss, d_state))
+
+    if hoist:
+        def one_chunk(losses, inputs):
+            loss_s, d_logits = jax.vmap(lambda xc, tc: _loss_and_d_logits(
+                chunk_logits(state, xc), tc))(*inputs)
+            return losses + loss_s, d_logits
+
+        carry = sharding.varying_as(losses, state, x)
+        loss, d_logits = jax.lax.scan(one_chunk, carry, (xs, ts))  # d_logits [n, S, R, V]
+        every_chunk = lambda state, xs: jax.vmap(jax.vmap(lambda xc: chunk_logits(state, xc)))(xs)
+        d_state, d_xs = jax.vjp(every_chunk, state, xs)[1](d_logits)
+        loss = jnp.sum(loss)
+    else:
+        def shard_chunk(state, xc, tc):
+            logits, pull_back = jax.vjp(chunk_logits, state, xc)  # [R, V]
+            loss, d_logits = _loss_and_d_logits(logits, tc)
+            return loss, *pull_back(d_logits)
+
+        def one_chunk(carry, inputs):
+            loss_s, d_state_s, d_xc = jax.vmap(shard_chunk, in_axes=(None, 0, 0))(state, *inputs)
+            return jax.tree.map(jnp.add, carry, (loss_s, d_state_s)), d_xc
+
+        def per_shard_zeros(var):
+            axes = var.get_metadata().get("out_sharding") or (None,) * var.ndim
+            zeros = jnp.zeros((S, *var.shape), var.dtype)
+            return var.replace(sharding.constrain(zeros, ("batch", *axes)))
+
+        zeros = jax.tree.map(per_shard_zeros, state,
+                             is_leaf=lambda v: isinstance(v, nnx.Variable))
+        # Inside a pipeline stage (shard_map) the sums vary from stage to stage as their terms do.
+        carry = sharding.varying_as((losses, zeros), state, x)
+        (loss, d_state), d_xs = jax.lax.scan(one_chunk, carry, (xs, ts))
+        loss, d_state = jax.tree.map(lambda d: jnp.sum(d, axis=0), (loss, d_state))
     d_x = jnp.swapaxes(d_xs.reshape(chunks, B, c, D), 0, 1).reshape(B, T, D)
     count = B * T
     return loss / count, (d_state, d_x, count)
 
 
-def _fused_ce_bwd(chunk_logits, chunks, shards, residuals, g):
+def _fused_ce_bwd(chunk_logits, chunks, shards, hoist, residuals, g):
     d_state, d_x, count = residuals
     scale = g / count
     return (jax.tree.map(lambda d: d * scale, d_state), (d_x * scale).astype(d_x.dtype), None)

@@ -13,7 +13,8 @@ is tuned for XLA's CPU backend, where profiles of the step showed costs plain co
   gradients, a strided copy dearer than the matmuls at a small width;
 - the cross-entropy over a 50k vocabulary dominates a small model's step; a fused, chunked pass
   never stores the [B, T, V] logits and forms each chunk's gradient while its logits are at hand
-  (chunks sized by the vocabulary).
+  (chunks sized by the vocabulary); with a small vocabulary it keeps those gradients and pulls
+  them back through the head in whole-batch products, which XLA runs on every core.
 
 `ModelConfig.kernels` chooses: "reference", "cpu", or "auto" (the default: "cpu" on the CPU
 backend, "reference" elsewhere). A model puts its choice in the context its code runs in
@@ -378,7 +379,9 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
 
         carry = sharding.varying_as(losses, state, x)
         loss, d_logits = jax.lax.scan(one_chunk, carry, (xs, ts))  # d_logits [n, S, R, V]
-        every_chunk = lambda state, xs: jax.vmap(jax.vmap(lambda xc: chunk_logits(state, xc)))(xs)
+        def every_chunk(state, xs):
+            return jax.vmap(jax.vmap(lambda xc: chunk_logits(state, xc)))(xs)
+
         d_state, d_xs = jax.vjp(every_chunk, state, xs)[1](d_logits)
         loss = jnp.sum(loss)
     else:

@@ -4,8 +4,8 @@ llama2.c (karpathy) trains Llama-style models on TinyStories in PyTorch, which i
 with a laptop and ten minutes might pick instead of minigpt. This script runs its own `model.py`
 (read from ../shared/peers/, or MINIGPT_PEERS; never copied into this repository) the way its
 `train.py` steps: forward with targets, backward, gradient clipping at 1.0, AdamW with decay on
-2-D tensors, gradients set to None. Beside it runs minigpt's compiled train step on the
-`stories-cpu` recipe's model with the same optimizer (AdamW at 6e-3, decay 0.1, clipping). Each
+2-D tensors, gradients set to None. Beside it runs minigpt's compiled train step on the zoo's
+`llama-cpu` at the same shape with the same optimizer (AdamW at 6e-3, decay 0.1, clipping). Each
 contender lives in a process of its own, as it does for its users, and they take turns
 (A B C A B C ...), each turn a fixed number of steps on the same random batch, so a change in the
 machine's load touches all of them alike; the table gives the median turn. Every process runs
@@ -14,10 +14,11 @@ with malloc's huge pages, as `python -m minigpt.train` does (minigpt.runtime).
     python bench/bench_llama2c.py                    # about 4 minutes on 2 cores
     python bench/bench_llama2c.py --rounds 3 --steps 10 --no-record
 
-Shape (the recipe's `llama-cpu`): width 128, 4 layers, 4 heads, SwiGLU 384, vocabulary 4,096,
-context 256, batch 8. llama2.c ties its output layer to the embedding; the recipe does not, so
-minigpt is measured both ways. torch is an optional benchmark dependency (`pip install torch`);
-without it, or without the peer file, the script says so and exits.
+Shape (`llama-cpu`, which the `stories-cpu` recipe now trains with 2 of its 4 layers): width
+128, 4 layers, 4 heads, SwiGLU 384, vocabulary 4,096, context 256, batch 8. llama2.c ties its
+output layer to the embedding; the recipe does not, so minigpt is measured both ways. torch is an
+optional benchmark dependency (`pip install torch`); without it, or without the peer file, the
+script says so and exits.
 """
 
 from __future__ import annotations

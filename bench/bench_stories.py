@@ -195,7 +195,8 @@ def main() -> None:
     p.add_argument("--curve-every", type=int, default=100,
                    help="steps between the checkpoints the learning curve is scored at")
     p.add_argument("--plot", default="",
-                   help="the curve's PNG (default: bench/stories-BUDGET.png when recording)")
+                   help="the curve's PNG (default: bench/stories-BUDGET.png when recording; "
+                        "'none' for no picture)")
     args = p.parse_args()
     assets = Path(os.environ.get("MINIGPT_ASSETS", REPO.parent / "shared" / "assets"))
     assets = assets / "tinystories"
@@ -231,8 +232,8 @@ def main() -> None:
         curves[name] = curve(out, model, tokenizer, texts[:CURVE_STORIES])
         print(f"curve of {name}: " + ", ".join(f"{t:.0f} s {b:.3f}" for t, b in curves[name]),
               flush=True)
-    png = Path(args.plot) if args.plot else None
-    if png is None and not args.no_record:
+    png = Path(args.plot) if args.plot not in ("", "none") else None
+    if not args.plot and not args.no_record:
         png = RESULTS.parent / f"stories-{args.budget}.png"
     if png is not None:
         plot(curves, png, args.budget)
@@ -247,9 +248,11 @@ def main() -> None:
              f"V2 bits/byte: the last {len(v2_texts)} stories of {TRAIN_HEADS[1]} as written "
              f"({non_ascii} with non-ASCII punctuation), held out of the training text, scored "
              f"the same way",
-             f"learning curve: {png.name} (the first {CURVE_STORIES} held-out stories scored at "
-             f"every {args.curve_every}th step's checkpoint, against seconds of compilation and "
-             "steps)",
+             f"learning curve: {png.name if png else 'no picture kept'} (the first "
+             f"{CURVE_STORIES} held-out stories scored at every {args.curve_every}th step's "
+             "checkpoint, against seconds of compilation and steps): " + "; ".join(
+                 f"{name} " + ", ".join(f"{t:.0f} s {b:.3f}" for t, b in points)
+                 for name, points in curves.items()),
              f"training text: {TRAIN_HEADS[0]}, the rest of {TRAIN_HEADS[1]} and of the "
              "subset; one CPU device; the budget includes compilation (wall = the whole "
              "command, with data preparation, the final evaluation and checkpoint)",

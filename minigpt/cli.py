@@ -201,8 +201,12 @@ def _resumed(args: argparse.Namespace, given: dict[str, Any],
         # The recipe names the run, but its training settings are the ones the run saved when
         # it started: a recipe edited since (stories-cpu moved from AdamW to Muon, and to
         # other rates) must not switch an optimizer whose state the checkpoints hold, or make
-        # the learning rate jump. Flags and --set still say how to go on.
+        # the learning rate jump. Flags and --set still say how to go on. So with the shape
+        # its [model] table gives (stories-cpu went from 4 layers to 2): the checkpoints hold
+        # the shape the run started with.
         says.update(recipe=recipe.name, model=args.model or recipe.model)
+        if says["model"] == saved_train.model:
+            wanted = saved_model
     elif args.model:
         wanted = get_config(args.model)
         says["model"] = args.model

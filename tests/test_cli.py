@@ -65,20 +65,22 @@ def test_a_recipe_run_resumes_with_its_recipe_and_keeps_the_steps_its_budget_fix
 
 
 def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
-    """stories-cpu now trains with Muon; a run it started with AdamW (config.json written
-    before the optimizer fields existed) resumes with AdamW, whose state its checkpoints hold."""
+    """stories-cpu now trains 2 layers with Muon; a run it started with 4 layers and AdamW
+    (config.json written before the optimizer fields existed) resumes with both, which its
+    checkpoints hold."""
     run = tmp_path / "stories"
     model, cfg = configs("--recipe", "stories-cpu", "--out", str(run))
-    assert cfg.optimizer == "muon"
+    assert (cfg.optimizer, model.num_layers) == ("muon", 2)
     run.mkdir()
-    save_run_config(run / "config.json", model, dataclasses.replace(cfg, steps=1363),
-                    preset=cfg.preset)
+    save_run_config(run / "config.json", dataclasses.replace(model, num_layers=4),
+                    dataclasses.replace(cfg, steps=1363), preset=cfg.preset)
     saved = json.loads((run / "config.json").read_text())
     for name in ("optimizer", "muon_lr", "muon_momentum"):
         del saved["train"][name]
     (run / "config.json").write_text(json.dumps(saved))
-    _, resumed = configs("--recipe", "stories-cpu", "--out", str(run), "--resume")
+    resumed_model, resumed = configs("--recipe", "stories-cpu", "--out", str(run), "--resume")
     assert resumed.optimizer == "adamw" and resumed.steps == 1363
+    assert resumed_model == dataclasses.replace(model, num_layers=4)
     with pytest.raises(ConfigError, match="optimizer: 'adamw' -> 'muon'"):
         configs("--recipe", "stories-cpu", "--set", "train.optimizer=muon", "--out", str(run),
                 "--resume")
@@ -109,6 +111,24 @@ def test_a_recipe_run_keeps_its_schedule_when_the_recipe_changes_it(tmp_path):
     _, resumed = configs("--recipe", str(recipe), "--set", "train.decay_fraction=0.2",
                          "--out", str(run), "--resume")
     assert resumed.decay_fraction == 0.2
+
+
+def test_a_recipe_run_keeps_its_shape_when_the_recipe_changes_it(tmp_path):
+    """A run started when its recipe trained 4 layers resumes with 4 (its checkpoints hold
+    them) after the recipe's [model] table moves to 3; a new run gets 3, and asking the old run
+    for 3 on the command line is refused by name."""
+    recipe = tmp_path / "laptop.toml"
+    text = '[model]\nname = "llama-cpu"\n\n[train]\nbatch_size = 8\n'
+    recipe.write_text(text)
+    run = saved_run(tmp_path / "stories", "--recipe", str(recipe), "--steps", "100")
+    recipe.write_text(text.replace('"llama-cpu"\n', '"llama-cpu"\nnum_layers = 3\n'))
+    assert configs("--recipe", str(recipe), "--out", str(tmp_path / "new"))[0].num_layers == 3
+    model, cfg = configs("--recipe", str(recipe), "--out", str(run), "--resume")
+    assert dataclasses.asdict(model) == json.loads((run / "config.json").read_text())["model"]
+    assert (model.num_layers, cfg.steps, cfg.model) == (4, 100, "llama-cpu")
+    with pytest.raises(ConfigError, match="num_layers: 4 -> 3"):
+        configs("--recipe", str(recipe), "--set", "model.num_layers=3", "--out", str(run),
+                "--resume")
 
 
 @pytest.mark.parametrize("argv, named", [

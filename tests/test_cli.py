@@ -65,22 +65,28 @@ def test_a_recipe_run_resumes_with_its_recipe_and_keeps_the_steps_its_budget_fix
 
 
 def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
-    """stories-cpu now trains 2 layers with Muon; a run it started with 4 layers and AdamW
-    (config.json written before the optimizer fields existed) resumes with both, which its
-    checkpoints hold."""
+    """stories-cpu now trains 2 layers with a tied output layer, Muon, AdamW at 1e-2 and a
+    30-step warm-up; a run it started with 4 untied layers, AdamW at 6e-3 and the default
+    warm-up (config.json written before the optimizer fields existed) resumes with all of
+    those, which its checkpoints and schedule hold."""
     run = tmp_path / "stories"
     model, cfg = configs("--recipe", "stories-cpu", "--out", str(run))
-    assert (cfg.optimizer, model.num_layers) == ("muon", 2)
+    assert (cfg.optimizer, model.num_layers, model.tie_embeddings) == ("muon", 2, True)
+    assert (cfg.lr, cfg.warmup_steps) == (1e-2, 30)
+    old_model = dataclasses.replace(model, num_layers=4, tie_embeddings=False)
     run.mkdir()
-    save_run_config(run / "config.json", dataclasses.replace(model, num_layers=4),
-                    dataclasses.replace(cfg, steps=1363), preset=cfg.preset)
+    save_run_config(run / "config.json", old_model,
+                    dataclasses.replace(cfg, steps=1363, lr=6e-3, warmup_steps=-1),
+                    preset=cfg.preset)
     saved = json.loads((run / "config.json").read_text())
     for name in ("optimizer", "muon_lr", "muon_momentum"):
         del saved["train"][name]
+    del saved["model"]["tie_embeddings"]
     (run / "config.json").write_text(json.dumps(saved))
     resumed_model, resumed = configs("--recipe", "stories-cpu", "--out", str(run), "--resume")
     assert resumed.optimizer == "adamw" and resumed.steps == 1363
-    assert resumed_model == dataclasses.replace(model, num_layers=4)
+    assert (resumed.lr, resumed.warmup_steps) == (6e-3, -1)
+    assert resumed_model == old_model
     with pytest.raises(ConfigError, match="optimizer: 'adamw' -> 'muon'"):
         configs("--recipe", "stories-cpu", "--set", "train.optimizer=muon", "--out", str(run),
                 "--resume")

@@ -13,6 +13,7 @@ from flax import nnx
 
 from minigpt import kernels, steps
 from minigpt.config import ConfigError
+from minigpt.loss import _chunk_len, cross_entropy
 from minigpt.models import build_model, get_config
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigpt"
@@ -42,7 +43,7 @@ def test_cpu_kernels_give_the_reference_loss_and_every_gradient(name, batch, seq
     cfg = dataclasses.replace(get_config(name), dropout=0.0)
     if vocab:
         cfg = dataclasses.replace(cfg, vocab_size=vocab)
-        assert kernels._chunk_len(batch, seq, cfg.padded_vocab) * batch == 128
+        assert _chunk_len(batch, seq, cfg.padded_vocab) * batch == 128
     data = {k: jnp.asarray(v) for k, v in random_batch(cfg.vocab_size, batch, seq, 5).items()}
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, kernels="reference"), data)
     cpu_loss, cpu_grads = loss_and_grads(dataclasses.replace(cfg, kernels="cpu"), data)
@@ -135,9 +136,9 @@ def test_cross_entropy_ignores_vocabulary_padding():
     real = np.asarray(logits[..., :12], np.float64)
     log_z = np.log(np.exp(real).sum(-1))
     expected = np.mean(log_z - np.take_along_axis(real, np.asarray(targets)[..., None], -1)[..., 0])
-    assert float(kernels.cross_entropy(padded, targets)) == pytest.approx(expected, rel=1e-6)
-    grads = jax.grad(lambda x: kernels.cross_entropy(jnp.where(jnp.arange(16) < 12, x, -jnp.inf),
-                                                     targets))(logits)
+    assert float(cross_entropy(padded, targets)) == pytest.approx(expected, rel=1e-6)
+    grads = jax.grad(lambda x: cross_entropy(jnp.where(jnp.arange(16) < 12, x, -jnp.inf),
+                                             targets))(logits)
     assert np.all(np.asarray(grads[..., 12:]) == 0)
 
 

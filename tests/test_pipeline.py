@@ -13,8 +13,9 @@ import pytest
 from conftest import losses, random_batch
 from flax import nnx
 
-from minigpt import explain, generate, kernels, pipeline, schedule, sharding, steps, train
+from minigpt import explain, generate, pipeline, schedule, sharding, steps, train
 from minigpt.config import TrainConfig
+from minigpt.loss import HOISTED_LOGITS
 from minigpt.models import build_model, get_config
 from minigpt.models.layers import row_keys
 
@@ -123,10 +124,10 @@ def test_pipelined_loss_and_every_gradient_equal_data_parallel(model_name, prese
     ("dp_pp_tp", "1f1b"), pytest.param("fsdp_tp", None, marks=pytest.mark.slow)])
 def test_the_small_vocabulary_loss_equals_data_parallel(preset_name, schedule_name):
     """With TinyStories' 4,096-token vocabulary the CPU loss keeps its logit gradients and pulls
-    them back after its loop (minigpt.kernels); that form too, split over the vocabulary and
+    them back after its loop (minigpt.loss); that form too, split over the vocabulary and
     inside a pipeline stage, gives what `dp` gives."""
     cfg = deep("llama-tiny", vocab_size=4096)
-    assert BATCH * 32 * cfg.padded_vocab <= kernels.HOISTED_LOGITS
+    assert BATCH * 32 * cfg.padded_vocab <= HOISTED_LOGITS
     plan = settings(schedule_name) if schedule_name else None
     assert_same_loss_and_gradients(loss_and_grads("dp", cfg),
                                    loss_and_grads(preset_name, cfg, plan))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt import kernels, pipeline, sharding
+from minigpt import kernels, loss, pipeline, sharding
 from minigpt.config import ModelConfig
 from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys
 from minigpt.sharding import constrain
@@ -176,13 +176,13 @@ class DecoderLM(nnx.Module):
         """Mean next-token cross-entropy of a batch under a pipeline preset, the embedding, the
         block stack and the head handed to `minigpt.pipeline` as the schedule's pieces.
 
-        Same value and gradients as `kernels.cross_entropy(model, model.features(...))` with
-        the same per-row dropout keys; how the batch goes through the stages is the context's
-        pipeline settings.
+        Same value and gradients as `kernels.active().cross_entropy(model,
+        model.features(...))` with the same per-row dropout keys; how the batch goes through
+        the stages is the context's pipeline settings.
         """
         cfg = self.config
         graphdef, blocks, rest = nnx.split(self, nnx.PathContains("blocks"), ...)
-        stand_in = kernels.placeholders(blocks)  # the embedding and head never read them
+        stand_in = loss.placeholders(blocks)  # the embedding and head never read them
         B, T = batch["inputs"].shape
         inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "keys": keys,
                   "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}

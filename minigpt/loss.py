@@ -1,0 +1,162 @@
+"""The next-token loss: plain cross-entropy over logits, and a fused, chunked form of it.
+
+The fused form is what `minigpt.kernels.CpuKernels` runs. The cross-entropy over a 50k
+vocabulary dominates a small model's step; the fused pass never stores the [B, T, V] logits and
+forms each chunk's gradient while its logits are at hand (chunks sized by the vocabulary). With
+a small vocabulary it keeps those gradients and pulls them back through the head in whole-batch
+products, which XLA runs on every core. The tests compare its loss and gradients with the plain
+form's on each architecture and preset.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minigpt import sharding
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy; logits [B, T, V] float32 (padding at -inf), targets [B, T] int:
+    log-sum-exp of a row minus its target's logit."""
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logits(logits, targets))
+
+
+def target_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """logits[..., targets] as a masked sum over the vocabulary rather than a gather: XLA
+    partitions the sum wherever the vocabulary is split, and it crashes partitioning the gather
+    inside a pipeline stage that splits it over two other mesh axes (a 3-D preset)."""
+    hit = jnp.arange(logits.shape[-1]) == targets[..., None]
+    return jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+
+
+def placeholders(state):
+    """A function making scalar stand-ins for a state's arrays (of the same dtypes), to rebuild
+    a module around code that never reads that state: the output head without the block stack.
+    Made inside each trace that needs them, so no traced value is closed over."""
+    dtypes = jax.tree.map(lambda a: a.dtype, state)
+    return lambda: jax.tree.map(lambda dtype: jnp.zeros((), dtype), dtypes)
+
+
+# Tokens per chunk of the fused loss, by vocabulary (measured, bench/RESULTS.md): for GPT-2's
+# 50k, [512, V] float32 logits (about 100 MB) are cheap to revisit and make efficient matmuls;
+# for a small vocabulary (TinyStories' 4,096) chunks of 128 tokens, whose 2 MB of logits stay in
+# cache, made the step 7% faster than 512.
+LOSS_CHUNK_TOKENS = 512
+SMALL_VOCAB, SMALL_VOCAB_CHUNK_TOKENS = 8192, 128
+# With a small vocabulary the chunks' logit gradients are kept, up to this many (256 MB of
+# float32), and pulled back through the head in two whole-batch products after the loop: the
+# per-chunk product for the features' gradient, [128, V] x [V, D], ran on one core at half the
+# rate of the whole-batch one (bench/RESULTS.md, 2026-11-24).
+HOISTED_LOGITS = 1 << 26
+
+
+def _chunk_len(batch: int, seq: int, vocab: int) -> int:
+    """The longest sequence chunk c dividing seq with batch * c at most the vocabulary's
+    chunk size (>= 1)."""
+    most = SMALL_VOCAB_CHUNK_TOKENS if vocab <= SMALL_VOCAB else LOSS_CHUNK_TOKENS
+    return max([c for c in range(1, seq + 1) if seq % c == 0 and batch * c <= most] or [1])
+
+
+def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of the model's output head applied to features x [B, T, D].
+
+    Equal to cross_entropy(model.logits(x), targets), but never holds the [B, T, V] logits:
+    the head runs chunk by chunk along the sequence, and each chunk's gradient (softmax minus
+    the one-hot target) is formed while its logits are at hand. That is three matmuls per
+    chunk, as plain autodiff needs, and two passes over the logits instead of about six. Chunks
+    split the sequence, not the batch, so batch sharding holds. With a small vocabulary the
+    logit gradients are kept and the two pull-back matmuls run once over the whole batch.
+    """
+    # Only the parameters the head uses go through the loss; the block stack, which it never
+    # touches, is left out (no zero gradients for it to carry through the loop).
+    graphdef, blocks, state = nnx.split(model, nnx.PathContains("blocks"), ...)
+    stand_in = placeholders(blocks)
+
+    def chunk_logits(state, xc):
+        return nnx.merge(graphdef, stand_in(), state).logits(xc)  # [R, V]
+
+    B, T, _ = x.shape
+    vocab = model.config.padded_vocab
+    hoist = vocab <= SMALL_VOCAB and B * T * vocab <= HOISTED_LOGITS
+    return _fused_ce(chunk_logits, T // _chunk_len(B, T, vocab), sharding.active_ways("batch"),
+                     hoist, state, x, targets)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fused_ce(chunk_logits, chunks, shards, hoist, state, x, targets):
+    return _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets)[0]
+
+
+def _loss_and_d_logits(logits, targets):
+    """Summed cross-entropy of rows of logits [R, V] and its gradient, softmax minus one-hot."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
+    # Exponentials once, kept: the compiler would otherwise compute them twice, for the
+    # normaliser and for the softmax, and exp is the costliest elementwise op here.
+    e = jax.lax.optimization_barrier(jnp.exp(logits - top))  # [R, V]
+    total = jnp.sum(e, axis=-1, keepdims=True)  # [R, 1]
+    loss = jnp.sum(top + jnp.log(total) - target_logits(logits, targets)[:, None])
+    return loss, e / total - jax.nn.one_hot(targets, logits.shape[-1])
+
+
+def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
+    B, T, D = x.shape
+    c, S = T // chunks, shards
+    # [n, S, B*c/S, D]: each chunk flattened to rows (so the head's matmuls are plain 2-D) and
+    # grouped by batch shard S. Each shard accumulates its own partial parameter gradient in
+    # the loop; they are summed once at the end, instead of one all-reduce per chunk.
+    xs = jnp.swapaxes(x.reshape(B, chunks, c, D), 0, 1).reshape(chunks, S, B * c // S, D)
+    ts = jnp.swapaxes(targets.reshape(B, chunks, c), 0, 1).reshape(chunks, S, B * c // S)
+    xs = sharding.constrain(xs, (None, "batch", None, None))
+    ts = sharding.constrain(ts, (None, "batch", None))
+    losses = sharding.constrain(jnp.zeros((S,), jnp.float32), ("batch",))
+
+    if hoist:
+        def one_chunk(losses, inputs):
+            loss_s, d_logits = jax.vmap(lambda xc, tc: _loss_and_d_logits(
+                chunk_logits(state, xc), tc))(*inputs)
+            return losses + loss_s, d_logits
+
+        carry = sharding.varying_as(losses, state, x)
+        loss, d_logits = jax.lax.scan(one_chunk, carry, (xs, ts))  # d_logits [n, S, R, V]
+        def every_chunk(state, xs):
+            return jax.vmap(jax.vmap(lambda xc: chunk_logits(state, xc)))(xs)
+
+        d_state, d_xs = jax.vjp(every_chunk, state, xs)[1](d_logits)
+        loss = jnp.sum(loss)
+    else:
+        def shard_chunk(state, xc, tc):
+            logits, pull_back = jax.vjp(chunk_logits, state, xc)  # [R, V]
+            loss, d_logits = _loss_and_d_logits(logits, tc)
+            return loss, *pull_back(d_logits)
+
+        def one_chunk(carry, inputs):
+            loss_s, d_state_s, d_xc = jax.vmap(shard_chunk, in_axes=(None, 0, 0))(state, *inputs)
+            return jax.tree.map(jnp.add, carry, (loss_s, d_state_s)), d_xc
+
+        def per_shard_zeros(var):
+            axes = var.get_metadata().get("out_sharding") or (None,) * var.ndim
+            zeros = jnp.zeros((S, *var.shape), var.dtype)
+            return var.replace(sharding.constrain(zeros, ("batch", *axes)))
+
+        zeros = jax.tree.map(per_shard_zeros, state,
+                             is_leaf=lambda v: isinstance(v, nnx.Variable))
+        # Inside a pipeline stage (shard_map) the sums vary from stage to stage as their terms do.
+        carry = sharding.varying_as((losses, zeros), state, x)
+        (loss, d_state), d_xs = jax.lax.scan(one_chunk, carry, (xs, ts))
+        loss, d_state = jax.tree.map(lambda d: jnp.sum(d, axis=0), (loss, d_state))
+    d_x = jnp.swapaxes(d_xs.reshape(chunks, B, c, D), 0, 1).reshape(B, T, D)
+    count = B * T
+    return loss / count, (d_state, d_x, count)
+
+
+def _fused_ce_bwd(chunk_logits, chunks, shards, hoist, residuals, g):
+    d_state, d_x, count = residuals
+    scale = g / count
+    return (jax.tree.map(lambda d: d * scale, d_state), (d_x * scale).astype(d_x.dtype), None)
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)

@@ -7,9 +7,12 @@ Batches of prompts of different lengths are right-padded; row b writes its new t
 positions len_b, len_b + 1, ..., and a key is visible to a query only at or before the query's
 position, so padding is never attended to.
 
-Length rule: the model cannot see beyond its context. A prompt of more than context - 1 tokens
-is refused; otherwise at most context - (longest prompt) new tokens are generated, and the
-caller is told when `max_new_tokens` was cut to that.
+Length rule: the model sees at most its context. A prompt of more than context - 1 tokens is
+refused. A story may grow past the context: when a row's tokens fill it, that row goes on from
+its last `window_keep(context)` tokens (three quarters of the context), prefilled afresh at
+positions 0, 1, ..., like a reader who remembers the last pages. Each row crops only when it
+is itself full, so a row's story does not depend on the other rows of its batch, and
+`generate_recompute` follows the same rule the slow way.
 """
 
 from __future__ import annotations
@@ -64,35 +67,36 @@ def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float, top_
 
 @functools.partial(nnx.jit, static_argnames=("max_new", "cache_len", "temperature", "top_k",
                                              "top_p", "eot_id", "stream"))
-def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Array, *,
-            max_new: int, cache_len: int, temperature: float, top_k: int, top_p: float,
-            eot_id: int, stream: bool):
-    """Prefill right-padded prompts [B, P] and sample up to `max_new` tokens per row."""
+def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Array,
+            limit: jax.Array, start: jax.Array, done: jax.Array, *, max_new: int, cache_len: int,
+            temperature: float, top_k: int, top_p: float, eot_id: int, stream: bool):
+    """Prefill right-padded prompts [B, P] and sample up to `limit` (<= max_new) tokens per row;
+    rows already `done` give eot_id. New token i of this call is token `start + i` of the story:
+    its key is fold_in(rng, start + i), so where a story's windows begin changes no draw."""
     B, P = tokens.shape
     cache = model.init_cache(B, cache_len, dtype=jnp.dtype(model.config.dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     logits, cache = model.decode(tokens, positions, cache)  # [B, P, V]
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     out = jnp.full((B, max_new), eot_id, jnp.int32)
-    done = jnp.zeros((B,), bool)
     # The loop body is a trace of its own, which NNX modules must not cross: the weights ride
     # along in the loop state and the body rebuilds the model from them.
     graphdef, weights = nnx.split(model)
 
     def keep_going(state):
         i, _, _, _, done, _ = state
-        return (i < max_new) & ~jnp.all(done)
+        return (i < limit) & ~jnp.all(done)
 
     def step(state):
         i, last, cache, out, done, weights = state
-        token = sample_logits(last, jax.random.fold_in(rng, i), temperature=temperature,
+        token = sample_logits(last, jax.random.fold_in(rng, start + i), temperature=temperature,
                               top_k=top_k, top_p=top_p)
         token = jnp.where(done, eot_id, token)
         out = out.at[:, i].set(token)
         if stream:
             # Ordered effects are unsupported across devices; the step index lets the host put
             # tokens back in order should they ever arrive out of it.
-            jax.debug.callback(_stream, i, token)
+            jax.debug.callback(_stream, start + i, token)
         done = done | (token == eot_id)
         logits, cache = nnx.merge(graphdef, weights).decode(token[:, None],
                                                             (lengths + i)[:, None], cache)
@@ -103,9 +107,14 @@ def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Ar
     return out
 
 
+def window_keep(context: int) -> int:
+    """How many of its last tokens a row keeps when its tokens fill the context."""
+    return context - max(1, context // 4)
+
+
 def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens: int,
-                  temperature: float, top_k: int, top_p: float, has_rng: bool) -> int:
-    """Refuse what the model cannot serve (GenerationError); return how many new tokens fit.
+                  temperature: float, top_k: int, top_p: float, has_rng: bool) -> None:
+    """Refuse what the model cannot serve (GenerationError).
 
     Callers that show the prompt before its continuation check first, so that a refused
     prompt is never echoed.
@@ -122,41 +131,57 @@ def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens
                               "max_new_tokens >= 1")
     if temperature > 0 and not has_rng:
         raise GenerationError("sampling with temperature > 0 needs an rng key (or a --seed)")
-    return min(max_new_tokens, context - longest)
 
 
 def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
                     max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
                     top_p: float = 1.0, rng: jax.Array | None = None, eot_id: int | None = None,
                     on_token: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
-    """New token ids for each prompt, stopping at `eot_id` (not included) or the length limit.
+    """New token ids for each prompt, stopping at `eot_id` (not included) or `max_new_tokens`.
 
     `on_token`, if given, receives each step's tokens [B] as they are drawn (for streaming).
+    Past the context, rows go on in windows (the module docstring's length rule): one compiled
+    loop per window, the first sized to the request, the later ones compiled once.
     """
     context = model.config.context_len
-    max_new = check_request(context, [len(p) for p in prompts], max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, top_p=top_p,
-                            has_rng=rng is not None)
-    longest = max(len(p) for p in prompts)
-    if max_new < max_new_tokens:
-        warnings.warn(f"max_new_tokens cut from {max_new_tokens} to {max_new}: the longest "
-                      f"prompt ({longest} tokens) and the new tokens must fit the model's "
-                      f"context of {context}", stacklevel=2)
-    # Round the padded prompt length up so prompts of similar length share one compilation.
-    padded = min(-(-longest // 16) * 16, context)
-    tokens = np.zeros((len(prompts), padded), np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = prompt
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    check_request(context, [len(p) for p in prompts], max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_k=top_k, top_p=top_p, has_rng=rng is not None)
     eot = -1 if eot_id is None else eot_id
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                    eot_id=eot, stream=on_token is not None)
+    rng = jax.random.key(0) if rng is None else rng
+    windows = [list(p) for p in prompts]  # what each row's model sees now
+    new = [[] for _ in prompts]
+    done, produced = np.zeros(len(prompts), bool), 0
     with _stream.to(on_token) if on_token else contextlib.nullcontext():
-        out = _decode(model, jnp.asarray(tokens), jnp.asarray(lengths),
-                      jax.random.key(0) if rng is None else rng, max_new=max_new,
-                      cache_len=min(context, padded + max_new), temperature=float(temperature),
-                      top_k=int(top_k), top_p=float(top_p), eot_id=eot,
-                      stream=on_token is not None)
-        rows = _to_host(out).tolist()
-    return [row[:row.index(eot)] if eot in row else row for row in rows]
+        while produced < max_new_tokens and not done.all():
+            longest = max(len(w) for w in windows)
+            count = min(max_new_tokens - produced, context - longest)
+            # Round the padded prompt length up so prompts of similar length share one
+            # compilation. The first window's loop is sized to the request; later ones (rows
+            # that stopped keep their place, giving eot_id) to the context, compiled once.
+            padded = min(-(-longest // 16) * 16, context)
+            first = produced == 0
+            tokens = np.zeros((len(prompts), padded), np.int32)
+            for row, window in enumerate(windows):
+                tokens[row, :len(window)] = window
+            out = _decode(model, jnp.asarray(tokens),
+                          jnp.asarray([len(w) for w in windows], np.int32), rng,
+                          jnp.int32(count), jnp.int32(produced), jnp.asarray(done),
+                          max_new=count if first else context,
+                          cache_len=min(context, padded + count) if first else context,
+                          **sampling)
+            for row, drawn in enumerate(_to_host(out)[:, :count].tolist()):
+                if done[row]:
+                    continue
+                if eot in drawn:
+                    drawn, done[row] = drawn[:drawn.index(eot)], True
+                new[row] += drawn
+                windows[row] += drawn
+                if len(windows[row]) >= context:
+                    windows[row] = (list(prompts[row]) + new[row])[-window_keep(context):]
+            produced += count
+    return new
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -224,20 +249,23 @@ def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tok
 
 def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_tokens: int,
                        eot_id: int | None = None) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy decoding the slow way, re-running the whole sequence for every token.
+    """Greedy decoding the slow way, re-running the whole window for every token.
 
-    The reference the cached decoder is tested against; returns the new tokens and the logits
-    that chose each of them.
+    The reference the cached decoder is tested against, windows included (the length rule in
+    the module docstring); returns the new tokens and the logits that chose each of them.
     """
     forward = nnx.jit(lambda m, x: m(x))
     context = model.config.context_len
-    tokens, chosen = list(prompt), []
-    for _ in range(min(max_new_tokens, context - len(prompt))):
+    tokens, chosen, start = list(prompt), [], 0
+    for _ in range(max_new_tokens):
+        if len(tokens) - start >= context:
+            start = len(tokens) - window_keep(context)
+        window = tokens[start:]
         # Pad to the full context (causality keeps the padding invisible) so one compilation
         # serves every step.
         x = np.zeros((1, context), np.int32)
-        x[0, :len(tokens)] = tokens
-        logits = np.asarray(forward(model, jnp.asarray(x))[0, len(tokens) - 1])
+        x[0, :len(window)] = window
+        logits = np.asarray(forward(model, jnp.asarray(x))[0, len(window) - 1])
         token = int(np.argmax(logits))
         chosen.append(logits)
         if token == eot_id:

@@ -15,6 +15,7 @@ from minigpt.generate import (
     generate_tokens,
     main,
     sample_logits,
+    window_keep,
 )
 from minigpt.models import build_model, get_config
 
@@ -115,20 +116,30 @@ def test_generation_stops_at_end_of_text(model, greedy):
 
 
 def test_streaming_sees_every_token_in_order(model):
-    for prompt in (PROMPTS[0], PROMPTS[2]):  # the second reuses the compilation, new callback
+    # The second reuses the compilation with a new callback; the third goes past the context.
+    for prompt, count in ((PROMPTS[0], 10), (PROMPTS[2], 10), (PROMPTS[2], 140)):
         seen = []
-        tokens = generate_tokens(model, [prompt], max_new_tokens=10, temperature=0.0,
+        tokens = generate_tokens(model, [prompt], max_new_tokens=count, temperature=0.0,
                                  on_token=lambda t, seen=seen: seen.append(int(t[0])))
-        assert seen == tokens[0]
+        assert seen == tokens[0] and len(seen) == count
 
 
-def test_length_rule_refuses_long_prompts_and_caps_new_tokens(model):
+def test_length_rule_refuses_long_prompts(model):
     with pytest.raises(GenerationError, match="context is 128"):
         generate_tokens(model, [[1] * 128], max_new_tokens=4, temperature=0.0)
-    with pytest.warns(UserWarning, match="cut from 50 to 8"):
-        tokens = generate_tokens(model, [[1] * 120, [2] * 3], max_new_tokens=50,
-                                 temperature=0.0)
-    assert [len(t) for t in tokens] == [8, 8]
+
+
+def test_stories_go_on_past_the_context_in_windows(model):
+    # Context 128, windows keep the last 96 tokens. Row 0 fills the context after 8 new tokens
+    # and then every 32; row 1 first after 125. Each must be what the slow reference, and the
+    # row alone, give.
+    assert window_keep(128) == 96
+    prompts = [list(range(200, 320)), [7, 8, 9]]
+    tokens = generate_tokens(model, prompts, max_new_tokens=150, temperature=0.0)
+    assert [len(t) for t in tokens] == [150, 150]
+    for prompt, row in zip(prompts, tokens):
+        assert row == generate_recompute(model, prompt, max_new_tokens=150)[0]
+    assert generate_tokens(model, prompts[1:], max_new_tokens=150, temperature=0.0) == tokens[1:]
 
 
 def test_sampling_needs_a_key(model):

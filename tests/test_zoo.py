@@ -116,6 +116,15 @@ def test_cached_greedy_decode_equals_full_recompute(name):
         assert tokens == generate_recompute(model, prompt, max_new_tokens=12)[0]
 
 
+def test_rotary_model_decodes_past_its_context_as_the_reference_does():
+    # llama-tiny (context 128): the new window starts its rotary positions at 0 again.
+    model = build_model(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+    prompt = list(range(300, 420))
+    tokens = generate_tokens(model, [prompt], max_new_tokens=44, temperature=0.0)[0]
+    assert len(tokens) == 44
+    assert tokens == generate_recompute(model, prompt, max_new_tokens=44)[0]
+
+
 @pytest.mark.parametrize("name", [pytest.param("gpt2-tiny", marks=pytest.mark.slow), "llama-tiny"])
 def test_scanned_and_unrolled_layers_share_parameters_and_compute_the_same(name):
     cfg = dataclasses.replace(get_config(name), dropout=0.1)

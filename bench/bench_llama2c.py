@@ -14,11 +14,12 @@ with malloc's huge pages, as `python -m minigpt.train` does (minigpt.runtime).
     python bench/bench_llama2c.py                    # about 4 minutes on 2 cores
     python bench/bench_llama2c.py --rounds 3 --steps 10 --no-record
 
-Shape (`llama-cpu`, which the `stories-cpu` recipe now trains with 2 of its 4 layers): width
-128, 4 layers, 4 heads, SwiGLU 384, vocabulary 4,096, context 256, batch 8. llama2.c ties its
-output layer to the embedding; the recipe does not, so minigpt is measured both ways. torch is an
-optional benchmark dependency (`pip install torch`); without it, or without the peer file, the
-script says so and exits.
+Shape (the zoo's `llama-cpu`; the `stories-cpu` recipe now trains it with 2 of its 4 layers, a
+tied output layer and a context of 128 at batch 16): width 128, 4 layers, 4 heads, SwiGLU 384,
+vocabulary 4,096, context 256, batch 8. llama2.c ties its output layer to the embedding;
+`llama-cpu` does not, so minigpt is measured both ways. torch is an optional benchmark
+dependency (`pip install torch`); without it, or without the peer file, the script says so and
+exits.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def minigpt_contender(cfg, tokens):
 
 
 CONTENDERS = {  # name: (framework, tied output head, torch.compile)
-    "minigpt (recipe: untied head)": ("minigpt", False, False),
+    "minigpt (llama-cpu: untied head)": ("minigpt", False, False),
     "minigpt (tied, as llama2.c)": ("minigpt", True, False),
     "llama2.c, PyTorch eager": ("torch", True, False),
     "llama2.c, torch.compile": ("torch", True, True),

@@ -65,6 +65,11 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = get_config(args.model)
+    if len(PROMPT) + args.new_tokens > cfg.context_len:
+        # Past the context the cached decoder goes on in windows (minigpt.generate); this
+        # comparison stays inside one.
+        parser.error(f"--new-tokens {args.new_tokens} and the {len(PROMPT)}-token prompt do not "
+                     f"fit {args.model}'s context of {cfg.context_len}")
     model = build_model(cfg, rngs=nnx.Rngs(0))
     rows = []
     for batch in (1, 8):

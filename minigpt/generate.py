@@ -158,8 +158,8 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
             longest = max(len(w) for w in windows)
             count = min(max_new_tokens - produced, context - longest)
             # Round the padded prompt length up so prompts of similar length share one
-            # compilation. The first window's loop is sized to the request; later ones (rows
-            # that stopped keep their place, giving eot_id) to the context, compiled once.
+            # compilation. The first window's loop is sized to the request, later ones to the
+            # context, so they compile once; rows that stopped keep their place (giving eot_id).
             padded = min(-(-longest // 16) * 16, context)
             first = produced == 0
             tokens = np.zeros((len(prompts), padded), np.int32)

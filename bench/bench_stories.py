@@ -26,6 +26,10 @@ a picture.
     python bench/bench_stories.py --budget 10m \\
         --run "stories-cpu=--recipe stories-cpu" \\
         --run "minigpt=--model minigpt --batch-size 32"
+
+`--steps N` trains each run for N steps instead of a time budget: a screen of changes that do
+not change the step's speed (an initialisation, a norm, a rate) then compares learning alone,
+however busy the machine was while each ran.
 """
 
 from __future__ import annotations
@@ -141,8 +145,9 @@ def score(model, tokenizer, texts: list[str], batch: int = 16) -> dict[str, floa
             "tokens": tokens, "bytes": text_bytes}
 
 
-def train(args: list[str], budget: str, data: list[Path], out: Path, curve_every: int) -> float:
-    command = [sys.executable, "-m", "minigpt.train", *args, "--time-budget", budget,
+def train(args: list[str], length: list[str], data: list[Path], out: Path,
+          curve_every: int) -> float:
+    command = [sys.executable, "-m", "minigpt.train", *args, *length,
                "--data", *map(str, data), "--set", f"data_root={out.parent.parent / 'data'}",
                "--set", f"save_every={curve_every}", "--set", "keep_checkpoints=100000",
                "--out", str(out), "--no-sample"]
@@ -166,7 +171,7 @@ def curve(out: Path, model, tokenizer, texts: list[str]) -> list[tuple[float, fl
     return points
 
 
-def plot(curves: dict[str, list[tuple[float, float]]], path: Path, budget: str) -> None:
+def plot(curves: dict[str, list[tuple[float, float]]], path: Path, span: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,7 +182,7 @@ def plot(curves: dict[str, list[tuple[float, float]]], path: Path, budget: str) 
         ax.plot(*zip(*points), marker="o", markersize=3, label=name)
     ax.set_xlabel("seconds of training (compilation and steps, one CPU device)")
     ax.set_ylabel(f"held-out bits per byte ({CURVE_STORIES} stories)")
-    ax.set_title(f"Learning in a {budget} budget")
+    ax.set_title(f"Learning in {span}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -188,6 +193,8 @@ def plot(curves: dict[str, list[tuple[float, float]]], path: Path, budget: str) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budget", default="10m", help="training time per run (default 10m)")
+    p.add_argument("--steps", type=int,
+                   help="train each run for this many steps instead of a time budget")
     p.add_argument("--run", action="append", required=True, metavar="NAME=TRAIN ARGS",
                    help="a run: a name and the minigpt.train arguments it trains with")
     p.add_argument("--work", default="bench-stories", help="where runs and data go")
@@ -210,7 +217,9 @@ def main() -> None:
     for spec in args.run:
         name, _, train_args = spec.partition("=")
         out = work / "runs" / name
-        wall = train(shlex.split(train_args), args.budget, data, out, args.curve_every)
+        length = (["--steps", str(args.steps)] if args.steps
+                  else ["--time-budget", args.budget])
+        wall = train(shlex.split(train_args), length, data, out, args.curve_every)
         saved = json.loads((out / "config.json").read_text())
         model, tokenizer, _, _, step = load_for_generation(out)
         result = score(model, tokenizer, texts)
@@ -232,16 +241,17 @@ def main() -> None:
         curves[name] = curve(out, model, tokenizer, texts[:CURVE_STORIES])
         print(f"curve of {name}: " + ", ".join(f"{t:.0f} s {b:.3f}" for t, b in curves[name]),
               flush=True)
+    span = f"{args.steps} steps" if args.steps else f"a {args.budget} budget"
     png = Path(args.plot) if args.plot not in ("", "none") else None
     if not args.plot and not args.no_record:
-        png = RESULTS.parent / f"stories-{args.budget}.png"
+        png = RESULTS.parent / f"stories-{args.steps or args.budget}.png"
     if png is not None:
-        plot(curves, png, args.budget)
+        plot(curves, png, span)
         print(f"learning curves: {png}")
     if not args.no_record:
         non_ascii = sum(any(ord(c) > 127 for c in t) for t in v2_texts)
         append_section(
-            f"learning in a {args.budget} budget: held-out bits per byte",
+            f"learning in {span}: held-out bits per byte",
             [f"scored: {len(texts)} held-out TinyStories stories (last of {SUBSET}, none in the "
              f"training text), each from its first token, {SCORED_GPT2_TOKENS} GPT-2 tokens of "
              f"text at most, {scored_bytes:,} bytes in all",
@@ -254,7 +264,8 @@ def main() -> None:
                  f"{name} " + ", ".join(f"{t:.0f} s {b:.3f}" for t, b in points)
                  for name, points in curves.items()),
              f"training text: {TRAIN_HEADS[0]}, the rest of {TRAIN_HEADS[1]} and of the "
-             "subset; one CPU device; the budget includes compilation (wall = the whole "
+             "subset; one CPU device; " + ("" if args.steps else "the budget includes "
+                                          "compilation ") + "(wall = the whole training "
              "command, with data preparation, the final evaluation and checkpoint)",
              "samples: temperature 0.8, top-k 50, key 0, 160 new tokens"],
             table(["run", "train arguments", "tokenizer", "bits/byte", "V2 bits/byte",

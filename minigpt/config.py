@@ -67,6 +67,10 @@ class ModelConfig:
     # Whether Llama's output head is the token embedding table (SmolLM2 ties them); GPT-2 and
     # minigpt always tie.
     tie_embeddings: bool = False
+    # Llama only: RMSNorm over each query and key head (a learned scale per head feature,
+    # shared by the heads) before the rotary embedding, as Qwen3 does; Hugging Face calls
+    # such a model Qwen3ForCausalLM. Runs from before this field existed have none.
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "context_len", "embed_dim", "num_heads", "mlp_dim",
@@ -88,6 +92,9 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.qk_norm and self.arch != "llama":
+            raise ConfigError(f"model.qk_norm is a llama option (Qwen3's query and key norms); "
+                              f"the {self.arch} architecture has none")
         if self.kernels not in KERNELS:
             raise ConfigError(f"model.kernels must be one of {KERNELS}, got {self.kernels!r}")
 

@@ -1,6 +1,7 @@
 """The Hugging Face architectures minigpt reads and writes, in minigpt's terms.
 
-`GPT2LMHeadModel` is `gpt2`, `LlamaForCausalLM` is `llama`: for each, how config.json maps to a
+`GPT2LMHeadModel` is `gpt2`, `LlamaForCausalLM` is `llama`, and `Qwen3ForCausalLM` is `llama` with
+`qk_norm` (query and key norms; otherwise Llama's decoder): for each, how config.json maps to a
 `ModelConfig` (refusing, by name, what the architecture does not implement) and back, and which
 Hugging Face tensor each of our parameters is, with the transposes, splits and vocabulary padding
 between the two layouts. `minigpt.hub` moves the weights; this module only says where they go.
@@ -95,6 +96,9 @@ def llama_tensors(cfg: ModelConfig) -> list[Tensor]:
                transpose=True),
         Tensor(("final_norm", "scale"), "model.norm.weight", (D,)),
     ]
+    if cfg.qk_norm:  # Qwen3
+        out += [Tensor((*block, "attention", f"{x}_norm", "scale"),
+                       f"{layer}.self_attn.{x}_norm.weight", (cfg.head_dim,)) for x in "qk"]
     if not cfg.tie_embeddings:
         out.append(Tensor(("output", "kernel"), "lm_head.weight", (V, D), padded=True))
     return out
@@ -137,8 +141,15 @@ def model_config(hf: dict[str, Any]) -> ModelConfig:
         return _gpt2_config(hf)
     if kind == "llama":
         return _llama_config(hf)
+    if kind == "qwen3":
+        _refuse(hf, "use_sliding_window", lambda v: not v,
+                "minigpt's llama attends to the whole context (no sliding window)")
+        _refuse(hf, "layer_types", lambda v: set(v) <= {"full_attention"},
+                "minigpt's llama attends to the whole context in every layer")
+        return _llama_config(hf, qk_norm=True)
     raise HubError(f"config.json has model_type {kind!r}: minigpt imports 'gpt2' "
-                   f"(GPT2LMHeadModel) and 'llama' (LlamaForCausalLM)")
+                   f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM) and 'qwen3' "
+                   f"(Qwen3ForCausalLM)")
 
 
 def _refuse(hf: dict[str, Any], field: str, allowed: Callable[[Any], bool], why: str) -> None:
@@ -163,7 +174,7 @@ def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
                   norm_eps=hf.get("layer_norm_epsilon", 1e-5))
 
 
-def _llama_config(hf: dict[str, Any]) -> ModelConfig:
+def _llama_config(hf: dict[str, Any], qk_norm: bool = False) -> ModelConfig:
     _refuse(hf, "hidden_act", lambda v: v == "silu", "minigpt's llama uses SwiGLU with silu")
     _refuse(hf, "rope_scaling", lambda v: v is None,
             "minigpt's llama implements plain rotary embeddings, no rope scaling")
@@ -188,7 +199,7 @@ def _llama_config(hf: dict[str, Any]) -> ModelConfig:
                   num_layers=hf.get("num_hidden_layers", 32), dropout=0.0,
                   norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
                   head_size=0 if head_dim * N == D else head_dim,
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm)
 
 
 def _built(**fields: Any) -> ModelConfig:
@@ -212,6 +223,11 @@ def hf_config(cfg: ModelConfig, eos: int | None, bos: int | None) -> dict[str, A
                 "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "tie_word_embeddings": True, **common}
+    if cfg.arch == "llama" and cfg.qk_norm:  # Llama's decoder with query and key norms
+        return {**hf_config(dataclasses.replace(cfg, qk_norm=False), eos, bos),
+                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "use_sliding_window": False, "sliding_window": None,
+                "layer_types": ["full_attention"] * cfg.num_layers}
     if cfg.arch == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                 "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,

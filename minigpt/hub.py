@@ -10,8 +10,8 @@ tokenizer files), or fetches one from the Hub with `huggingface_hub` (`pip insta
 ordinary run directory: config.json, a checkpoint at step 0 holding the weights (no optimizer
 state: `python -m minigpt.train --init-from RUN` starts a new run from them), the tokenizer. The
 model config comes from the checkpoint's config.json (`GPT2LMHeadModel` -> `gpt2`,
-`LlamaForCausalLM` -> `llama`); a field the architecture does not implement is refused, naming
-it, before anything is written.
+`LlamaForCausalLM` -> `llama`, `Qwen3ForCausalLM` -> `llama` with `qk_norm`); a field the
+architecture does not implement is refused, naming it, before anything is written.
 
 Each parameter goes from the memory-mapped file straight into the preset's sharding: a device
 receives only its shard, read from the file when that device's piece is asked for, so the host

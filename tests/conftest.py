@@ -122,6 +122,15 @@ def small_stories(stories_file, tmp_path_factory) -> Path:
     return path
 
 
+def zoo_config(name: str):
+    """A zoo model's config; "NAME+qk_norm" is that Llama with query and key norms (Qwen3's),
+    which the stories-cpu recipe trains."""
+    from minigpt.models import get_config
+    base, _, option = name.partition("+")
+    cfg = get_config(base)
+    return dataclasses.replace(cfg, qk_norm=True) if option == "qk_norm" else cfg
+
+
 def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Random token ids as a training batch: inputs and targets [batch, seq], int32."""
     tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1)).astype(np.int32)

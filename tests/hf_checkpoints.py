@@ -35,7 +35,10 @@ def gpt2_checkpoint(D=32, N=8, L=8, V=50257, P=64, seed=0):
     return config, w
 
 
-def llama_checkpoint(D=64, N=8, K=2, F=96, L=2, V=4096, tied=False, head_dim=None, seed=0):
+def llama_checkpoint(D=64, N=8, K=2, F=96, L=2, V=4096, tied=False, head_dim=None, seed=0,
+                     qk_norm=False):
+    """(config.json, tensors) of a random Llama, or with `qk_norm` a Qwen3 (Llama with a
+    learned RMSNorm over each query and key head)."""
     rng = np.random.default_rng(seed)
     H = head_dim or D // N
 
@@ -55,6 +58,9 @@ def llama_checkpoint(D=64, N=8, K=2, F=96, L=2, V=4096, tied=False, head_dim=Non
               f"{p}.self_attn.o_proj.weight": t(D, N * H),
               f"{p}.mlp.gate_proj.weight": t(F, D), f"{p}.mlp.up_proj.weight": t(F, D),
               f"{p}.mlp.down_proj.weight": t(D, F)}
+        if qk_norm:
+            w |= {f"{p}.self_attn.q_norm.weight": t(H, base=1.0),
+                  f"{p}.self_attn.k_norm.weight": t(H, base=1.0)}
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
               "hidden_size": D, "intermediate_size": F, "num_hidden_layers": L,
               "num_attention_heads": N, "num_key_value_heads": K, "hidden_act": "silu",
@@ -63,6 +69,10 @@ def llama_checkpoint(D=64, N=8, K=2, F=96, L=2, V=4096, tied=False, head_dim=Non
               "tie_word_embeddings": tied}
     if head_dim:
         config["head_dim"] = head_dim
+    if qk_norm:
+        config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                   "use_sliding_window": False, "sliding_window": None,
+                   "layer_types": ["full_attention"] * L}
     return config, w
 
 

@@ -30,6 +30,7 @@ from minigpt.tokenizer import load_tokenizer
     (dict(dropout=1.0), "model.dropout must be in [0, 1)"),
     (dict(dtype="float16"), "model.dtype must be one of"),
     (dict(num_layers=0), "model.num_layers must be positive, got 0"),
+    (dict(arch="gpt2", qk_norm=True), "model.qk_norm is a llama option"),
 ])
 def test_model_config_refuses_what_cannot_build(changes, message):
     with pytest.raises(ConfigError) as e:

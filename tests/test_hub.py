@@ -85,7 +85,8 @@ def _rotate(x, theta):
 
 
 def llama_reference(config, w, ids):
-    """LlamaForCausalLM's logits [T, V] for one sequence, float64."""
+    """LlamaForCausalLM's logits [T, V] for one sequence, float64; with q_norm and k_norm
+    weights, Qwen3ForCausalLM's (each query and key head RMS-normalised before the rotation)."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
     D, N, K = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
     H = config.get("head_dim") or D // N
@@ -95,8 +96,12 @@ def llama_reference(config, w, ids):
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
         h = _rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
-        q = _rotate((h @ w[f"{p}.self_attn.q_proj.weight"].T).reshape(T, N, H), theta)
-        k = _rotate((h @ w[f"{p}.self_attn.k_proj.weight"].T).reshape(T, K, H), theta)
+        q = (h @ w[f"{p}.self_attn.q_proj.weight"].T).reshape(T, N, H)
+        k = (h @ w[f"{p}.self_attn.k_proj.weight"].T).reshape(T, K, H)
+        if f"{p}.self_attn.q_norm.weight" in w:
+            q = _rms_norm(q, w[f"{p}.self_attn.q_norm.weight"], eps)
+            k = _rms_norm(k, w[f"{p}.self_attn.k_norm.weight"], eps)
+        q, k = _rotate(q, theta), _rotate(k, theta)
         v = (h @ w[f"{p}.self_attn.v_proj.weight"].T).reshape(T, K, H)
         group = N // K  # query head n reads key/value head n // group
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
@@ -148,11 +153,12 @@ def test_gpt2_import_matches_the_architecture_under_every_preset(tmp_path, gpt2)
         assert table.addressable_shards[0].data.nbytes * ways == table.nbytes, preset_name
 
 
-@pytest.mark.parametrize("tied,head_dim,dtype", [(False, None, np.float32),
-                                                 (True, None, ml_dtypes.bfloat16),
-                                                 (False, 32, np.float16)])
-def test_llama_import_matches_the_architecture(tmp_path, tied, head_dim, dtype):
-    config, w = llama_checkpoint(tied=tied, head_dim=head_dim)
+@pytest.mark.parametrize("tied,head_dim,dtype,qk_norm", [(False, None, np.float32, False),
+                                                         (True, None, ml_dtypes.bfloat16, False),
+                                                         (False, 32, np.float16, False),
+                                                         (True, 16, np.float32, True)])
+def test_llama_import_matches_the_architecture(tmp_path, tied, head_dim, dtype, qk_norm):
+    config, w = llama_checkpoint(tied=tied, head_dim=head_dim, qk_norm=qk_norm)
     if tied:  # as transformers 5 writes it: the rotary settings in `rope_parameters`
         config["rope_parameters"] = {"rope_type": "default", "rope_theta": 7000.0}
         del config["rope_theta"], config["rope_scaling"]
@@ -164,6 +170,7 @@ def test_llama_import_matches_the_architecture(tmp_path, tied, head_dim, dtype):
     assert hub.main(["import", str(hf), "--out", str(run), "--preset", "fsdp"]) == 0
     cfg = load_run_config(run / "config.json")["model"]
     assert (cfg.tie_embeddings, cfg.num_kv_heads, cfg.head_dim) == (tied, 2, head_dim or 8)
+    assert cfg.qk_norm == qk_norm
     assert (run / hub.RUN_TOKENIZER).is_file()
     assert json.loads((run / "config.json").read_text())["model"]["tokenizer"] == hub.RUN_TOKENIZER
     as_read = {k: v.astype(dtype).astype(np.float32) for k, v in w.items()}
@@ -173,8 +180,9 @@ def test_llama_import_matches_the_architecture(tmp_path, tied, head_dim, dtype):
     assert (model.output is None) == tied
 
 
-def test_import_then_export_gives_back_the_same_tensors(tmp_path):
-    config, w = llama_checkpoint(L=2)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_import_then_export_gives_back_the_same_tensors(tmp_path, qk_norm):
+    config, w = llama_checkpoint(L=2, qk_norm=qk_norm)
     hf = write_hf(tmp_path / "hf", config, w, tokenizer="tinystories-4k")
     assert hub.main(["import", str(hf), "--out", str(tmp_path / "run")]) == 0
     assert hub.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
@@ -187,7 +195,7 @@ def test_import_then_export_gives_back_the_same_tensors(tmp_path):
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
     out_config = json.loads((tmp_path / "out" / "config.json").read_text())
     for key in ("hidden_size", "num_key_value_heads", "rope_theta", "vocab_size",
-                "tie_word_embeddings", "rms_norm_eps"):
+                "tie_word_embeddings", "rms_norm_eps", "model_type", "architectures"):
         assert out_config[key] == config[key], key
     # and its tokenizer encodes as the run's does
     enc = load_tokenizer("tinystories-4k")
@@ -269,6 +277,9 @@ def _not_bpe(hf, config, w):
      "rope_parameters.rope_type"),
     (_edit_config(attention_bias=True), "attention_bias"),
     (_edit_config(sliding_window=4096), "sliding_window"),
+    (_edit_config(model_type="qwen3", use_sliding_window=True), "use_sliding_window"),
+    (_edit_config(model_type="qwen3", layer_types=["full_attention", "sliding_attention"]),
+     "layer_types"),
     (_edit_config(num_hidden_layers=3), "lacks model.layers.2"),
     (_wrong_shape, "model.layers.1.mlp.up_proj.weight has shape [8, 64]"),
     (_truncate, "is truncated"),

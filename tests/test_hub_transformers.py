@@ -1,4 +1,5 @@
-"""minigpt's GPT-2 and Llama against transformers' own, through import and export.
+"""minigpt's GPT-2, Llama and Qwen3 (Llama with query and key norms) against transformers'
+own, through import and export.
 
 Needs torch and transformers (`pip install -e ".[dev,hf]"`); skipped, saying why, without them.
 Randomly initialised transformers models are saved with `save_pretrained`, imported, and must
@@ -36,6 +37,14 @@ def _llama(tied: bool):
         rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tied))
 
 
+def _qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        tie_word_embeddings=True))
+
+
 def _theirs(model, ids):
     with torch.no_grad():
         return model(torch.tensor(ids)).logits.float().numpy()
@@ -59,17 +68,20 @@ def _save(model, directory, tokenizer=None):
             hf_tokenizer_export.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama-untied", "llama-tied"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama-untied", "llama-tied", "qwen3"])
 def test_imports_match_transformers_and_exports_load_back(tmp_path, kind, request):
     if kind == "gpt2":
         request.getfixturevalue("gpt2")  # the tiktoken GPT-2 files, or a skip saying why
         model, tokenizer = _gpt2(), None
+    elif kind == "qwen3":
+        model, tokenizer = _qwen3(), "tinystories-4k"
     else:
         model, tokenizer = _llama(tied=kind == "llama-tied"), "tinystories-4k"
     _save(model, tmp_path / "hf", tokenizer)
     assert hub.main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 0
     theirs = _theirs(model, IDS)
     ours, imported = _ours(tmp_path / "run", IDS)
+    assert imported[0].config.qk_norm == (kind == "qwen3")
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
 
     # greedy decoding: the same 20 tokens

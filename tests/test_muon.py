@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import losses, random_batch
+from conftest import losses, random_batch, zoo_config
 from flax import nnx
 
 from minigpt import schedule, sharding, steps, train
@@ -33,6 +33,9 @@ MUON_GROUPS = {
     "llama-tiny": {**ATTENTION, "blocks/layers/mlp/gate/kernel": ((1,), (2,)),
                    "blocks/layers/mlp/up/kernel": ((1,), (2,)),
                    "blocks/layers/mlp/down/kernel": ((1,), (2,))},
+    "llama-tiny+qk_norm": {**ATTENTION, "blocks/layers/mlp/gate/kernel": ((1,), (2,)),
+                           "blocks/layers/mlp/up/kernel": ((1,), (2,)),
+                           "blocks/layers/mlp/down/kernel": ((1,), (2,))},
 }
 ADAMW_GROUPS = {
     "minigpt-tiny": ["blocks/layers/attention/key/bias", "blocks/layers/attention/out/bias",
@@ -49,6 +52,10 @@ ADAMW_GROUPS = {
                   "final_norm/scale", "positions/table", "tokens/table"],
     "llama-tiny": ["blocks/layers/norm1/scale", "blocks/layers/norm2/scale", "final_norm/scale",
                    "output/kernel", "tokens/table"],
+    "llama-tiny+qk_norm": ["blocks/layers/attention/k_norm/scale",
+                           "blocks/layers/attention/q_norm/scale", "blocks/layers/norm1/scale",
+                           "blocks/layers/norm2/scale", "final_norm/scale", "output/kernel",
+                           "tokens/table"],
 }
 
 
@@ -58,7 +65,7 @@ def as_tuple(axes):
 
 @pytest.mark.parametrize("name", sorted(MUON_GROUPS))
 def test_muon_takes_the_block_matrices_and_adamw_the_rest(name):
-    model = build_model(get_config(name), rngs=nnx.Rngs(0))
+    model = build_model(zoo_config(name), rngs=nnx.Rngs(0))
     muon, adamw = {}, []
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         key = "/".join(map(str, path))

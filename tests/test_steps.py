@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_batch
+from conftest import random_batch, zoo_config
 from flax import nnx
 
 from minigpt import schedule, sharding, steps
@@ -174,13 +174,16 @@ DECAYED = {
                   _ATTENTION + ["mlp.up.kernel", "mlp.down.kernel"]),
     "llama-tiny": (["tokens.table", "output.kernel"],
                    _ATTENTION + ["mlp.gate.kernel", "mlp.up.kernel", "mlp.down.kernel"]),
+    # the query and key norms' scales are norm scales: they do not decay
+    "llama-tiny+qk_norm": (["tokens.table", "output.kernel"],
+                           _ATTENTION + ["mlp.gate.kernel", "mlp.up.kernel", "mlp.down.kernel"]),
 }
 
 
 @pytest.mark.parametrize("scan", [False, True])
 @pytest.mark.parametrize("model_name", sorted(DECAYED))
 def test_weight_decay_reaches_exactly_the_weight_matrices_and_tables(model_name, scan):
-    cfg = dataclasses.replace(get_config(model_name), scan_layers=scan)
+    cfg = dataclasses.replace(zoo_config(model_name), scan_layers=scan)
     train_cfg = TrainConfig(weight_decay=0.5, lr=0.1, warmup_steps=0)
     model, optimizer = build(cfg, train_cfg)
     params = nnx.state(model, nnx.Param)

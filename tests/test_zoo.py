@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import zoo_config
 from flax import nnx
 
 from minigpt import sharding
@@ -108,9 +109,9 @@ def test_rotary_embedding_keeps_norms_and_scores_depend_on_relative_position():
     assert score(7, 3) != pytest.approx(score(7, 5), abs=1e-3)
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", [*TINY, "llama-tiny+qk_norm"])
 def test_cached_greedy_decode_equals_full_recompute(name):
-    model = build_model(get_config(name), rngs=nnx.Rngs(0))
+    model = build_model(zoo_config(name), rngs=nnx.Rngs(0))
     cached = generate_tokens(model, PROMPTS, max_new_tokens=12, temperature=0.0)
     for prompt, tokens in zip(PROMPTS, cached):
         assert tokens == generate_recompute(model, prompt, max_new_tokens=12)[0]

@@ -132,14 +132,16 @@ class Embedding(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """Normalise over the embedding: subtract the mean, divide by the standard deviation, then
-    scale and shift (`center=False` makes it RMSNorm: no mean, no shift)."""
+    """Normalise over the embedding (or, given `features`, over a last axis of that logical
+    name and size): subtract the mean, divide by the standard deviation, then scale and shift
+    (`center=False` makes it RMSNorm: no mean, no shift)."""
 
-    def __init__(self, cfg: ModelConfig, *, center: bool = True, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, center: bool = True,
+                 features: tuple[str, int] | None = None, rngs: nnx.Rngs):
         self.eps, self.dtype, self.center = cfg.norm_eps, jnp.dtype(cfg.dtype), center
-        self.scale = param(rngs, nnx.initializers.ones, (cfg.embed_dim,), ("embed",))
-        self.bias = (param(rngs, nnx.initializers.zeros, (cfg.embed_dim,), ("embed",))
-                     if center else None)
+        axis, size = features or ("embed", cfg.embed_dim)
+        self.scale = param(rngs, nnx.initializers.ones, (size,), (axis,))
+        self.bias = param(rngs, nnx.initializers.zeros, (size,), (axis,)) if center else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Statistics in float32 whatever the compute dtype: bf16 variances lose too much.
@@ -148,9 +150,10 @@ class LayerNorm(nnx.Module):
         return y.astype(self.dtype)
 
 
-def RMSNorm(cfg: ModelConfig, *, rngs: nnx.Rngs) -> LayerNorm:  # noqa: N802 - reads as a layer
+def RMSNorm(cfg: ModelConfig, *, features: tuple[str, int] | None = None,  # noqa: N802
+            rngs: nnx.Rngs) -> LayerNorm:
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): a scale, no mean, no bias."""
-    return LayerNorm(cfg, center=False, rngs=rngs)
+    return LayerNorm(cfg, center=False, features=features, rngs=rngs)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -171,11 +174,12 @@ def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with grouped-query heads, optional rotary positions and
+    """Causal multi-head self-attention with grouped-query heads, optional rotary positions,
+    optional query and key norms (`qk_norm`: RMSNorm over each head's features, as Qwen3) and
     an optional key/value cache for decoding."""
 
     def __init__(self, cfg: ModelConfig, *, use_bias: bool, rope: bool, init: Initializer,
-                 out_init: Initializer, rngs: nnx.Rngs):
+                 out_init: Initializer, qk_norm: bool = False, rngs: nnx.Rngs):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
         self.query = Dense("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "kv"), init=init,
@@ -187,10 +191,17 @@ class Attention(nnx.Module):
         self.out = Dense("BTNH,NHD->BTD", (N, H, D), ("heads", "kv", "embed"), init=out_init,
                          **common)
         self.rope_theta = cfg.rope_theta if rope else None
+        if qk_norm:  # one scale per head feature, shared by the heads, as Qwen3's
+            self.q_norm = RMSNorm(cfg, features=("kv", H), rngs=rngs)
+            self.k_norm = RMSNorm(cfg, features=("kv", H), rngs=rngs)
+        else:
+            self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, positions: jax.Array,
                  kv: tuple[jax.Array, jax.Array] | None = None):
         q, k, v = self.query(x), self.key(x), self.value(x)  # [B, T, N, H], [B, T, K, H] x2
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
             q = apply_rope(q, positions, self.rope_theta)
             k = apply_rope(k, positions, self.rope_theta)

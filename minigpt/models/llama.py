@@ -3,7 +3,10 @@
 RMSNorm before each sublayer, rotary position embeddings on queries and keys (no learned
 positions), grouped-query attention (several query heads share one key/value head, which
 shrinks the KV cache), a SwiGLU feed-forward (silu(x W_gate) * x W_up, then W_down), no biases,
-a final RMSNorm and an output head, untied unless `tie_embeddings` (SmolLM2 ties it).
+a final RMSNorm and an output head, untied unless `tie_embeddings` (SmolLM2 ties it). With
+`qk_norm` each query and key head is RMS-normalised before the rotary embedding, as in Qwen3
+(Yang et al., 2025), which keeps attention scores from growing and lets small models learn
+faster (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class TransformerBlock(nnx.Module):
         residual = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
         self.norm1 = RMSNorm(cfg, rngs=rngs)
         self.attention = Attention(cfg, use_bias=False, rope=True, init=normal,
-                                   out_init=residual, rngs=rngs)
+                                   out_init=residual, qk_norm=cfg.qk_norm, rngs=rngs)
         self.norm2 = RMSNorm(cfg, rngs=rngs)
         self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout

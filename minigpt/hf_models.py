@@ -144,8 +144,11 @@ def model_config(hf: dict[str, Any]) -> ModelConfig:
     if kind == "qwen3":
         _refuse(hf, "use_sliding_window", lambda v: not v,
                 "minigpt's llama attends to the whole context (no sliding window)")
-        _refuse(hf, "layer_types", lambda v: set(v) <= {"full_attention"},
+        _refuse(hf, "layer_types", lambda v: v is None or set(v) <= {"full_attention"},
                 "minigpt's llama attends to the whole context in every layer")
+        # As transformers reads a Qwen3 config: `sliding_window` is ignored without
+        # `use_sliding_window`, and heads are 128 wide unless `head_dim` says otherwise.
+        hf = {**hf, "sliding_window": None, "head_dim": hf.get("head_dim") or 128}
         return _llama_config(hf, qk_norm=True)
     raise HubError(f"config.json has model_type {kind!r}: minigpt imports 'gpt2' "
                    f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM) and 'qwen3' "

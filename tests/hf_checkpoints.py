@@ -67,8 +67,8 @@ def llama_checkpoint(D=64, N=8, K=2, F=96, L=2, V=4096, tied=False, head_dim=Non
               "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 5000.0,
               "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
               "tie_word_embeddings": tied}
-    if head_dim:
-        config["head_dim"] = head_dim
+    if head_dim or qk_norm:  # a Qwen3 config without it means heads of 128
+        config["head_dim"] = H
     if qk_norm:
         config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                    "use_sliding_window": False, "sliding_window": None,

@@ -280,6 +280,8 @@ def _not_bpe(hf, config, w):
     (_edit_config(model_type="qwen3", use_sliding_window=True), "use_sliding_window"),
     (_edit_config(model_type="qwen3", layer_types=["full_attention", "sliding_attention"]),
      "layer_types"),
+    # without head_dim a Qwen3 has heads of 128, which these 8-wide projections are not
+    (_edit_config(model_type="qwen3"), "self_attn.q_proj.weight has shape"),
     (_edit_config(num_hidden_layers=3), "lacks model.layers.2"),
     (_wrong_shape, "model.layers.1.mlp.up_proj.weight has shape [8, 64]"),
     (_truncate, "is truncated"),

@@ -214,11 +214,10 @@ def main() -> None:
     data, held, v2_held = split_stories(assets, work / "text")
     texts, v2_texts = scored_text(held), scored_text(v2_held)
     rows, samples, scored_bytes, curves = [], [], 0, {}
+    length = ["--steps", str(args.steps)] if args.steps else ["--time-budget", args.budget]
     for spec in args.run:
         name, _, train_args = spec.partition("=")
         out = work / "runs" / name
-        length = (["--steps", str(args.steps)] if args.steps
-                  else ["--time-budget", args.budget])
         wall = train(shlex.split(train_args), length, data, out, args.curve_every)
         saved = json.loads((out / "config.json").read_text())
         model, tokenizer, _, _, step = load_for_generation(out)

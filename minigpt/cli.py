@@ -27,7 +27,6 @@ from minigpt.config import (
     ConfigError,
     ModelConfig,
     TrainConfig,
-    load_recipe,
     load_run_config,
     parse_duration,
     parse_overrides,
@@ -35,6 +34,7 @@ from minigpt.config import (
 from minigpt.lock import RunLocked
 from minigpt.metrics import TrainingDiverged
 from minigpt.models import get_config
+from minigpt.recipes import load_recipe
 from minigpt.sharding import PresetError
 from minigpt.token_files import DataError
 from minigpt.tokenizer import TokenizerError, load_tokenizer

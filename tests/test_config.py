@@ -11,8 +11,6 @@ from minigpt.config import (
     ModelConfig,
     TrainConfig,
     apply_overrides,
-    available_recipes,
-    load_recipe,
     load_run_config,
     model_config_from_dict,
     parse_duration,
@@ -21,6 +19,7 @@ from minigpt.config import (
     warmup_for,
 )
 from minigpt.models import get_config
+from minigpt.recipes import available_recipes, load_recipe
 from minigpt.tokenizer import load_tokenizer
 
 

@@ -8,8 +8,9 @@ import pytest
 from conftest import losses
 
 from minigpt import cli, generate, train
-from minigpt.config import TrainConfig, load_recipe
+from minigpt.config import TrainConfig
 from minigpt.models import get_config
+from minigpt.recipes import load_recipe
 from minigpt.tokenizer import load_tokenizer
 
 

@@ -13,7 +13,9 @@ Data, from the shared TinyStories files (MINIGPT_ASSETS, default ../shared/asset
 - held out too, scored beside it: the last 300 stories of TinyStoriesV2-GPT4-train-head.txt as
   written (GPT-4's stories, with their curly quotes and dashes), removed from the training text;
 - training: TinyStories-train-head.txt, the rest of TinyStoriesV2-GPT4-train-head.txt and the
-  rest of the subset (minus any story that is also held out).
+  rest of the subset (minus any story that is also held out), all of it: the runs' own
+  validation split (their eval_loss) is the held-out stories, not a tenth of this text. About
+  1.2 M tokens of tinystories-4k, so a ten-minute run reads it about five times.
 Each held-out story is scored on its own, from its first token (predicted after <|endoftext|>,
 as in training), over its first 256 GPT-2 tokens of text; longer than the model's context, the
 rest is scored with a sliding window.
@@ -29,12 +31,14 @@ a picture.
 
 `--steps N` trains each run for N steps instead of a time budget: a screen of changes that do
 not change the step's speed (an initialisation, a norm, a rate) then compares learning alone,
-however busy the machine was while each ran.
+however busy the machine was while each ran. `--every-nth-story N` trains on a part of the
+text, to see what the score owes to how often a run reads the same stories.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -53,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.report import RESULTS, append_section, table  # noqa: E402
+from minigpt import cli, pretokenize  # noqa: E402
 from minigpt.checkpoint import Checkpointer  # noqa: E402
 from minigpt.generate import generate, load_for_generation  # noqa: E402
 from minigpt.metrics import run_training_seconds  # noqa: E402
@@ -72,8 +77,9 @@ def read_stories(path: Path) -> list[str]:
     return [s for batch, _ in StoryFile(path).batches() for s in batch if s.strip()]
 
 
-def split_stories(assets: Path, work: Path) -> tuple[list[Path], list[str], list[str]]:
-    """Write the training text under `work`; return its files and the two held-out sets."""
+def split_stories(assets: Path, work: Path) -> tuple[list[Path], Path, list[str], list[str]]:
+    """Write the training text and a file of the held-out stories under `work`; return the
+    training files, that file and the two held-out sets."""
     heads = [read_stories(assets / name) for name in TRAIN_HEADS]
     v2_held = heads[1][-HELD_OUT_V2:]
     heads[1] = heads[1][:-HELD_OUT_V2]
@@ -90,10 +96,29 @@ def split_stories(assets: Path, work: Path) -> tuple[list[Path], list[str], list
     rest = [s for s in subset[:len(subset) - len(held)] if s.strip() not in held_set]
     work.mkdir(parents=True, exist_ok=True)
     files = [assets / TRAIN_HEADS[0], work / "v2-train.txt", work / "subset-train.txt"]
-    for path, stories in zip(files[1:], (heads[1], rest)):
+    held_file = work / "held-out.txt"
+    for path, stories in zip([*files[1:], held_file], (heads[1], rest, held + v2_held)):
         path.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in stories),
                         encoding="utf-8")
-    return files, held, v2_held
+    return files, held_file, held, v2_held
+
+
+def every_nth_story(files: list[Path], n: int, work: Path) -> Path:
+    """One file of every nth story of `files` (in order, from the first)."""
+    stories = [s for path in files for s in read_stories(path)][::n]
+    out = work / f"train-every-{n}.txt"
+    out.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in stories), encoding="utf-8")
+    return out
+
+
+def prepared(train_args: list[str], files: list[Path], held_file: Path, root: Path) -> Path:
+    """The training text tokenized as the run's model reads it, every story of it in the train
+    split and the held-out stories as the validation split (prepared once per tokenizer)."""
+    model_cfg, _ = cli.resolve_configs(cli.build_parser().parse_args(train_args))
+    tag = hashlib.sha256(model_cfg.tokenizer.encode()).hexdigest()[:8]
+    out = root / f"bench-{Path(model_cfg.tokenizer).stem}-{tag}"
+    pretokenize.prepare(out, files, val_files=[held_file], tokenizer=model_cfg.tokenizer)
+    return out
 
 
 def scored_text(stories: list[str]) -> list[str]:
@@ -201,6 +226,9 @@ def main() -> None:
     p.add_argument("--no-record", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--curve-every", type=int, default=100,
                    help="steps between the checkpoints the learning curve is scored at")
+    p.add_argument("--every-nth-story", type=int, default=1, metavar="N",
+                   help="train on every Nth story of the training text only (default 1: all "
+                        "of it), to see what the score owes to the amount of text")
     p.add_argument("--plot", default="",
                    help="the curve's PNG (default: bench/stories-BUDGET.png when recording; "
                         "'none' for no picture)")
@@ -211,14 +239,17 @@ def main() -> None:
         sys.exit(f"error: {assets / SUBSET} not found: set MINIGPT_ASSETS to the offline "
                  f"assets directory")
     work = Path(args.work).resolve()
-    data, held, v2_held = split_stories(assets, work / "text")
+    files, held_file, held, v2_held = split_stories(assets, work / "text")
+    if args.every_nth_story > 1:
+        files = [every_nth_story(files, args.every_nth_story, work / "text")]
     texts, v2_texts = scored_text(held), scored_text(v2_held)
     rows, samples, scored_bytes, curves = [], [], 0, {}
     length = ["--steps", str(args.steps)] if args.steps else ["--time-budget", args.budget]
     for spec in args.run:
         name, _, train_args = spec.partition("=")
         out = work / "runs" / name
-        wall = train(shlex.split(train_args), length, data, out, args.curve_every)
+        data = prepared(shlex.split(train_args), files, held_file, work / "data")
+        wall = train(shlex.split(train_args), length, [data], out, args.curve_every)
         saved = json.loads((out / "config.json").read_text())
         model, tokenizer, _, _, step = load_for_generation(out)
         result = score(model, tokenizer, texts)
@@ -263,9 +294,12 @@ def main() -> None:
                  f"{name} " + ", ".join(f"{t:.0f} s {b:.3f}" for t, b in points)
                  for name, points in curves.items()),
              f"training text: {TRAIN_HEADS[0]}, the rest of {TRAIN_HEADS[1]} and of the "
-             "subset; one CPU device; " + ("" if args.steps else "the budget includes "
-                                          "compilation ") + "(wall = the whole training "
-             "command, with data preparation, the final evaluation and checkpoint)",
+             "subset, " + ("all of it" if args.every_nth_story == 1 else
+                          f"every {args.every_nth_story}th story of it") + " (the runs' "
+             "validation split is the held-out stories); one CPU device; "
+             + ("" if args.steps else "the budget includes compilation ")
+             + "(wall = the whole training command, with data preparation, the final "
+             "evaluation and checkpoint)",
              "samples: temperature 0.8, top-k 50, key 0, 160 new tokens"],
             table(["run", "train arguments", "tokenizer", "bits/byte", "V2 bits/byte",
                    "nats/token", "steps", "tokens seen", "compile (s)", "wall (s)"], rows)

@@ -65,14 +65,14 @@ def test_a_recipe_run_resumes_with_its_recipe_and_keeps_the_steps_its_budget_fix
 
 
 def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
-    """stories-cpu now trains 2 layers with a tied output layer, query and key norms and a
+    """stories-cpu now trains 3 layers with a tied output layer, query and key norms and a
     context of 128 at batch 16, with Muon, AdamW at 1e-2 and a 30-step warm-up; a run it started
     with 4 untied layers without the norms, a context of 256 at batch 8, AdamW at 6e-3 and the
     default warm-up (config.json written before the optimizer fields and `qk_norm` existed)
     resumes with all of those, which its checkpoints and schedule hold."""
     run = tmp_path / "stories"
     model, cfg = configs("--recipe", "stories-cpu", "--out", str(run))
-    assert (cfg.optimizer, model.num_layers, model.tie_embeddings) == ("muon", 2, True)
+    assert (cfg.optimizer, model.num_layers, model.tie_embeddings) == ("muon", 3, True)
     assert (cfg.lr, cfg.warmup_steps, model.context_len, cfg.batch_size) == (1e-2, 30, 128, 16)
     assert model.qk_norm
     old_model = dataclasses.replace(model, num_layers=4, tie_embeddings=False, context_len=256,

@@ -113,9 +113,10 @@ def every_nth_story(files: list[Path], n: int, work: Path) -> Path:
 
 def prepared(train_args: list[str], files: list[Path], held_file: Path, root: Path) -> Path:
     """The training text tokenized as the run's model reads it, every story of it in the train
-    split and the held-out stories as the validation split (prepared once per tokenizer)."""
+    split and the held-out stories as the validation split (prepared once per tokenizer and
+    choice of text)."""
     model_cfg, _ = cli.resolve_configs(cli.build_parser().parse_args(train_args))
-    tag = hashlib.sha256(model_cfg.tokenizer.encode()).hexdigest()[:8]
+    tag = hashlib.sha256(repr([model_cfg.tokenizer, *map(str, files)]).encode()).hexdigest()[:8]
     out = root / f"bench-{Path(model_cfg.tokenizer).stem}-{tag}"
     pretokenize.prepare(out, files, val_files=[held_file], tokenizer=model_cfg.tokenizer)
     return out

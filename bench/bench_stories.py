@@ -77,9 +77,15 @@ def read_stories(path: Path) -> list[str]:
     return [s for batch, _ in StoryFile(path).batches() for s in batch if s.strip()]
 
 
-def split_stories(assets: Path, work: Path) -> tuple[list[Path], Path, list[str], list[str]]:
-    """Write the training text and a file of the held-out stories under `work`; return the
-    training files, that file and the two held-out sets."""
+def write_stories(path: Path, stories: list[str]) -> None:
+    path.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in stories), encoding="utf-8")
+
+
+def split_stories(assets: Path, work: Path,
+                  every: int = 1) -> tuple[list[Path], Path, list[str], list[str]]:
+    """Write the training text (with `every` > 1, one file of every such story of it, from the
+    first) and a file of the held-out stories under `work`; return the training files, that
+    file and the two held-out sets."""
     heads = [read_stories(assets / name) for name in TRAIN_HEADS]
     v2_held = heads[1][-HELD_OUT_V2:]
     heads[1] = heads[1][:-HELD_OUT_V2]
@@ -95,20 +101,16 @@ def split_stories(assets: Path, work: Path) -> tuple[list[Path], Path, list[str]
     held_set = {s.strip() for s in held}
     rest = [s for s in subset[:len(subset) - len(held)] if s.strip() not in held_set]
     work.mkdir(parents=True, exist_ok=True)
-    files = [assets / TRAIN_HEADS[0], work / "v2-train.txt", work / "subset-train.txt"]
     held_file = work / "held-out.txt"
-    for path, stories in zip([*files[1:], held_file], (heads[1], rest, held + v2_held)):
-        path.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in stories),
-                        encoding="utf-8")
+    write_stories(held_file, held + v2_held)
+    if every > 1:
+        files = [work / f"train-every-{every}.txt"]
+        write_stories(files[0], (heads[0] + heads[1] + rest)[::every])
+        return files, held_file, held, v2_held
+    files = [assets / TRAIN_HEADS[0], work / "v2-train.txt", work / "subset-train.txt"]
+    write_stories(files[1], heads[1])
+    write_stories(files[2], rest)
     return files, held_file, held, v2_held
-
-
-def every_nth_story(files: list[Path], n: int, work: Path) -> Path:
-    """One file of every nth story of `files` (in order, from the first)."""
-    stories = [s for path in files for s in read_stories(path)][::n]
-    out = work / f"train-every-{n}.txt"
-    out.write_text("".join(f"{s.strip()}\n<|endoftext|>\n" for s in stories), encoding="utf-8")
-    return out
 
 
 def prepared(train_args: list[str], files: list[Path], held_file: Path, root: Path) -> Path:
@@ -240,17 +242,16 @@ def main() -> None:
         sys.exit(f"error: {assets / SUBSET} not found: set MINIGPT_ASSETS to the offline "
                  f"assets directory")
     work = Path(args.work).resolve()
-    files, held_file, held, v2_held = split_stories(assets, work / "text")
-    if args.every_nth_story > 1:
-        files = [every_nth_story(files, args.every_nth_story, work / "text")]
+    files, held_file, held, v2_held = split_stories(assets, work / "text", args.every_nth_story)
     texts, v2_texts = scored_text(held), scored_text(v2_held)
     rows, samples, scored_bytes, curves = [], [], 0, {}
     length = ["--steps", str(args.steps)] if args.steps else ["--time-budget", args.budget]
     for spec in args.run:
         name, _, train_args = spec.partition("=")
         out = work / "runs" / name
-        data = prepared(shlex.split(train_args), files, held_file, work / "data")
-        wall = train(shlex.split(train_args), length, [data], out, args.curve_every)
+        run_args = shlex.split(train_args)
+        data = prepared(run_args, files, held_file, work / "data")
+        wall = train(run_args, length, [data], out, args.curve_every)
         saved = json.loads((out / "config.json").read_text())
         model, tokenizer, _, _, step = load_for_generation(out)
         result = score(model, tokenizer, texts)

@@ -17,15 +17,24 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
-def machine() -> str:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+def machine(cpuinfo: str | None = None) -> str:
+    """Architecture, cores and CPU, with the family and vector width: the same "AMD EPYC" name
+    covers virtual machines whose speeds differ fourfold, so each figure says which one it was."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags = set(fields.get("flags", "").split())
+    about = [f"family {fields['cpu family']} model {fields['model']}"
+             if "cpu family" in fields and "model" in fields else "",
+             "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""]
+    about = [a for a in about if a]
+    model = fields.get("model name", "") + (f" ({', '.join(about)})" if about else "")
     return f"{platform.machine()}, {os.cpu_count()} cores{', ' + model if model else ''}"
 
 

@@ -187,10 +187,14 @@ def main() -> None:
         seconds, loss, about[CONTENDERS[name][0]] = pipes[name].recv()
         print(f"warm-up {name}: {seconds:.1f} s, loss {loss:.3f}", flush=True)
     turns: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    names = list(pipes)
     for r in range(args.rounds):
-        for name, pipe in pipes.items():
-            pipe.send(args.steps)
-            turns[name].append(BATCH * cfg.context_len * args.steps / pipe.recv())
+        # Each round starts one contender later, so each takes every place in the order: a turn
+        # can run slower for the turn before it (timed alone, minigpt's tied and untied steps
+        # are equal, yet as first and second of each round they differed by 10%, 2026-11-25).
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            pipes[name].send(args.steps)
+            turns[name].append(BATCH * cfg.context_len * args.steps / pipes[name].recv())
         print(f"round {r + 1}: " + ", ".join(f"{n.split(' (')[0].split(',')[-1].strip()} "
                                              f"{t[-1]:,.0f}" for n, t in turns.items()),
               flush=True)
@@ -221,7 +225,8 @@ def main() -> None:
          "each contender in a process of its own, the parent asking each in turn for its steps",
          f"malloc: GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')} for both, as "
          "`minigpt.train` runs",
-         f"{args.rounds} alternating turns of {args.steps} steps each after 3 warm-up steps "
+         f"{args.rounds} alternating turns of {args.steps} steps each after 3 warm-up steps, each "
+         "round starting one contender later "
          "(compilation excluded for both); median and range of the turns, and the median of each "
          "round's ratio to its torch.compile turn"],
         table(header, rows))

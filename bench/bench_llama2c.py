@@ -189,9 +189,8 @@ def main() -> None:
     turns: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     names = list(pipes)
     for r in range(args.rounds):
-        # Each round starts one contender later, so each takes every place in the order: a turn
-        # can run slower for the turn before it (timed alone, minigpt's tied and untied steps
-        # are equal, yet as first and second of each round they differed by 10%, 2026-11-25).
+        # Each round starts one contender later, so each takes every place in the order and no
+        # turn always follows the same one (whatever a turn leaves behind falls on all alike).
         for name in names[r % len(names):] + names[:r % len(names)]:
             pipes[name].send(args.steps)
             turns[name].append(BATCH * cfg.context_len * args.steps / pipes[name].recv())

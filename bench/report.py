@@ -30,10 +30,11 @@ def machine(cpuinfo: str | None = None) -> str:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())  # the first processor's
     flags = set(fields.get("flags", "").split())
-    about = [f"family {fields['cpu family']} model {fields['model']}"
-             if "cpu family" in fields and "model" in fields else "",
-             "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""]
-    about = [a for a in about if a]
+    about = []
+    if "cpu family" in fields and "model" in fields:
+        about.append(f"family {fields['cpu family']} model {fields['model']}")
+    if flags & {"avx512f", "avx2"}:
+        about.append("AVX-512" if "avx512f" in flags else "AVX2")
     model = fields.get("model name", "") + (f" ({', '.join(about)})" if about else "")
     return f"{platform.machine()}, {os.cpu_count()} cores{', ' + model if model else ''}"
 

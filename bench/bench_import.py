@@ -31,7 +31,7 @@ def write_checkpoint(directory: Path) -> int:
     """A random GPT-2 124M in the Hub's layout; returns its size in bytes."""
     import numpy as np
 
-    from minigpt import weights
+    from minigpt.hub import safetensors as weights
 
     D, L, V, P = 768, 12, 50257, 1024
     rng = np.random.default_rng(0)

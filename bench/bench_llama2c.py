@@ -97,14 +97,16 @@ def minigpt_contender(cfg, tokens):
     import jax
     from flax import nnx
 
-    from minigpt import schedule, sharding, steps
+    from minigpt import sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model
+    from minigpt.train import lr_schedule, steps
+    from minigpt.train.optimizer import make_optimizer
 
     train_cfg = TrainConfig(batch_size=BATCH, lr=6e-3, weight_decay=0.1, steps=100_000)
     model = build_model(cfg, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, steps.make_optimizer(train_cfg), wrt=nnx.Param)
-    rates = schedule.lr_schedule(train_cfg)
+    optimizer = nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
+    rates = lr_schedule.lr_schedule(train_cfg)
     rng = jax.random.key(0)
     preset = sharding.load_preset("dp")
     mesh = sharding.make_mesh(preset)
@@ -161,7 +163,7 @@ def describe(framework: str) -> str:
         return f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     import jax
 
-    from minigpt import kernels
+    from minigpt.models import kernels
     return (f"kernels \"{kernels.resolve('auto')}\" on {jax.default_backend()}; "
             f"jax {jax.__version__}")
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.report import RESULTS, append_section, table  # noqa: E402
 from minigpt.data import prepare_text  # noqa: E402
-from minigpt.loader import batch_iterator  # noqa: E402
+from minigpt.data.loader import batch_iterator  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
 ASSET_FILES = ("TinyStories-train-head.txt", "TinyStoriesV2-GPT4-train-head.txt",

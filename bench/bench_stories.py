@@ -57,12 +57,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.report import RESULTS, append_section, table  # noqa: E402
-from minigpt import cli, pretokenize  # noqa: E402
 from minigpt.checkpoint import Checkpointer  # noqa: E402
+from minigpt.data import prepare  # noqa: E402
+from minigpt.data.stories import StoryFile  # noqa: E402
 from minigpt.generate import generate, load_for_generation  # noqa: E402
-from minigpt.metrics import run_training_seconds  # noqa: E402
-from minigpt.stories import StoryFile  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
+from minigpt.train import cli  # noqa: E402
+from minigpt.train.metrics import run_training_seconds  # noqa: E402
 
 HELD_OUT = 1000
 HELD_OUT_V2 = 300
@@ -120,7 +121,7 @@ def prepared(train_args: list[str], files: list[Path], held_file: Path, root: Pa
     model_cfg, _ = cli.resolve_configs(cli.build_parser().parse_args(train_args))
     tag = hashlib.sha256(repr([model_cfg.tokenizer, *map(str, files)]).encode()).hexdigest()[:8]
     out = root / f"bench-{Path(model_cfg.tokenizer).stem}-{tag}"
-    pretokenize.prepare(out, files, val_files=[held_file], tokenizer=model_cfg.tokenizer)
+    prepare.prepare(out, files, val_files=[held_file], tokenizer=model_cfg.tokenizer)
     return out
 
 

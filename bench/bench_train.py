@@ -38,10 +38,12 @@ def worker(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from minigpt import pipeline, schedule, sharding, steps
+    from minigpt import pipeline, sharding
     from minigpt.config import TrainConfig
-    from minigpt.metrics import flops_per_token, measure_matmul_peak
     from minigpt.models import build_model, get_config
+    from minigpt.train import lr_schedule, steps
+    from minigpt.train.flops import flops_per_token, measure_matmul_peak
+    from minigpt.train.optimizer import make_optimizer
 
     cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
     train_cfg = TrainConfig(batch_size=spec["batch"])
@@ -50,7 +52,7 @@ def worker(spec: dict) -> dict:
 
     def build():
         model = build_model(cfg, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, steps.make_optimizer(train_cfg), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
 
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -61,7 +63,7 @@ def worker(spec: dict) -> dict:
     rows += sharding.describe(preset, mesh, nnx.state(optimizer))
     state_bytes = sum(r["bytes_per_device"] for r in rows)
     rng = jax.random.key(0)
-    rates = schedule.lr_schedule(train_cfg)
+    rates = lr_schedule.lr_schedule(train_cfg)
     pipe = sharding.check_layout(preset, mesh, model=spec["model"], num_layers=cfg.num_layers,
                                  pipeline=sharding.Pipeline(
                                      microbatches=spec.get("pipeline_microbatches", 0),

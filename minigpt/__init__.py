@@ -1,2 +1,65 @@
 """minigpt: a Flax NNX model zoo for GPT-style pre-training with interchangeable parallelism
-presets."""
+presets.
+
+The names below are the public API, what notebooks and scripts rely on; the modules behind them
+may move. Importing `minigpt` is cheap: each name loads its module when first used.
+
+    import minigpt
+
+    cfg = minigpt.get_config("llama-tiny")                  # a zoo model's ModelConfig
+    summary = minigpt.train(cfg, minigpt.TrainConfig(model="llama-tiny", preset="fsdp",
+                                                     steps=200, out="runs/demo"))
+    run = minigpt.load_run("runs/demo")                     # its latest weights, laid out by `dp`
+    with minigpt.use_preset(run.preset, run.mesh):
+        stories = minigpt.generate(run.model, run.tokenizer, ["Once upon a time"],
+                                   max_new_tokens=100, rng=jax.random.key(0))
+
+    preset = minigpt.load_preset("fsdp")                    # a preset, its mesh, a model born
+    mesh = minigpt.make_mesh(preset)                        # sharded under it
+    model = minigpt.create_sharded(lambda: minigpt.build_model(cfg, rngs=nnx.Rngs(0)),
+                                   preset, mesh)
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+# Public name -> the module that defines it.
+_PUBLIC = {
+    "ModelConfig": "minigpt.config",
+    "TrainConfig": "minigpt.config",
+    "get_config": "minigpt.models",
+    "build_model": "minigpt.models",
+    "load_preset": "minigpt.sharding",
+    "make_mesh": "minigpt.sharding",
+    "use_preset": "minigpt.sharding",
+    "create_sharded": "minigpt.sharding",
+    "load_run": "minigpt.runs",
+    "LoadedRun": "minigpt.runs",
+    "load_tokenizer": "minigpt.tokenizer",
+}
+
+__all__ = [*_PUBLIC, "generate", "train"]
+
+
+class CallableModule(types.ModuleType):
+    """A module that is also its function of the same name: `minigpt.train` is a package and
+    `minigpt.train(...)` trains, `minigpt.generate` a module and `minigpt.generate(...)` tells
+    stories. A module becomes one by assigning its `__class__` (Python's documented way to give a
+    module behaviour), so the name means the same whether the module was imported or not."""
+
+    def __call__(self, *args, **kwargs):
+        return getattr(self, self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    if name in ("train", "generate"):  # modules that are also their functions
+        return importlib.import_module(f"minigpt.{name}")
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'minigpt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

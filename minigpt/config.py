@@ -10,7 +10,6 @@ changed with `dataclasses.replace`, or from the command line with `--set key=val
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import tomllib
 import types
@@ -19,17 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minigpt.files import write_text_atomic
-
 
 class ConfigError(ValueError):
     """A configuration value a user gave is invalid; the message says which and why."""
 
 
 DTYPES = ("float32", "bfloat16")
-KERNELS = ("auto", "reference", "cpu")  # see minigpt.kernels
+KERNELS = ("auto", "reference", "cpu")  # see minigpt.models.kernels
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
-OPTIMIZERS = ("adamw", "muon")  # see minigpt.steps.make_optimizer
+OPTIMIZERS = ("adamw", "muon")  # see minigpt.train.optimizer
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class ModelConfig:
     # and, measured on CPU, also faster per step) or an unrolled loop. Parameters and
     # checkpoints are the same either way.
     scan_layers: bool = True
-    # Which implementation of the backend-tuned operations to run (minigpt.kernels): "auto"
+    # Which implementation of the backend-tuned operations to run (minigpt.models.kernels): "auto"
     # picks the CPU-tuned ones on a CPU and the plain ones elsewhere. Both compute the same.
     kernels: str = "auto"
     # The tokenizer the model reads and writes (minigpt.tokenizer): "gpt2", a vocabulary shipped
@@ -314,45 +311,3 @@ def read_named_toml(name_or_path: str | Path, directory: Path, kind: str,
         return path, tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise error(f"{kind} {path.stem!r} ({path}) is not valid TOML: {e}") from None
-
-
-def model_config_from_dict(values: dict[str, Any]) -> ModelConfig:
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown model config fields {unknown}")
-    return ModelConfig(**values)
-
-
-def save_run_config(path: Path, model: ModelConfig, train: TrainConfig | None,
-                    **extra: Any) -> None:
-    """Write config.json atomically: a crash mid-write must not leave a broken run directory.
-
-    A tokenizer file inside the run directory (an imported vocabulary) is recorded by its name
-    there, so the run directory can move; `train` is None for imported weights (no run yet)."""
-    model_fields = dataclasses.asdict(model)
-    tokenizer = Path(model.tokenizer)
-    if tokenizer.suffix == ".tiktoken" and tokenizer.is_absolute() and \
-            tokenizer.parent == Path(path).parent.absolute():
-        model_fields["tokenizer"] = tokenizer.name
-    payload = {"model": model_fields, **({"train": dataclasses.asdict(train)} if train else {}),
-               **extra}
-    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
-
-
-def load_run_config(path: Path) -> dict[str, Any]:
-    try:
-        payload = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist: is this a minigpt run directory?") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); the run directory is damaged") from None
-    # Runs from before models named their tokenizer recorded only the data's.
-    payload["model"].setdefault("tokenizer", payload.get("tokenizer", "gpt2"))
-    # A vocabulary file the run directory holds is named relative to it.
-    tokenizer = payload["model"]["tokenizer"]
-    if tokenizer.endswith(".tiktoken") and not Path(tokenizer).is_absolute() and \
-            (Path(path).parent / tokenizer).is_file():
-        payload["model"]["tokenizer"] = str((Path(path).parent / tokenizer).absolute())
-    payload["model"] = model_config_from_dict(payload["model"])
-    return payload

@@ -24,7 +24,7 @@ from minigpt import pipeline, sharding
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.models import build_model, get_config
 from minigpt.runtime import set_simulated_devices
-from minigpt.steps import make_optimizer
+from minigpt.train.optimizer import make_optimizer
 
 
 def parameter_table(rows: list[dict[str, Any]]) -> list[str]:

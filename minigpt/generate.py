@@ -31,12 +31,10 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from minigpt import sharding
-from minigpt.checkpoint import Checkpointer, CheckpointError
-from minigpt.config import ConfigError, load_run_config
-from minigpt.models import DecoderLM, build_model
+from minigpt import CallableModule, sharding
+from minigpt.models import DecoderLM
+from minigpt.runs import LOAD_ERRORS, load_run
 from minigpt.runtime import relaunch_with_huge_pages, set_simulated_devices
-from minigpt.tokenizer import TokenizerError, load_tokenizer
 
 
 class GenerationError(ValueError):
@@ -275,37 +273,10 @@ def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_token
 
 
 def load_for_generation(run: str | Path, preset_name: str = "dp"):
-    """Restore a run's latest model weights (no optimizer state) under a preset.
-
-    A latest checkpoint that cannot be read is skipped, with a warning, for the newest that can.
-    """
-    run = Path(run)
-    if not run.is_dir():
-        raise GenerationError(f"run directory {run} does not exist")
-    try:
-        saved = load_run_config(run / "config.json")
-    except ConfigError as e:
-        raise GenerationError(str(e)) from None
-    cfg = saved["model"]
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    if tokenizer.n_vocab > cfg.vocab_size:
-        raise GenerationError(
-            f"{run} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
-            f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
-    if not (run / "checkpoints").is_dir():
-        raise GenerationError(f"{run} holds no checkpoints/ directory: train it first")
-    checkpointer = Checkpointer(run / "checkpoints", read_only=True)
-    if checkpointer.latest_step() is None:
-        raise GenerationError(f"{run / 'checkpoints'} holds no checkpoint yet")
-    preset = sharding.load_preset(preset_name)
-    mesh = sharding.make_mesh(preset)
-    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), preset, mesh)
-    restored = checkpointer.restore(model)
-    checkpointer.close()
-    for step, why in restored["skipped"]:
-        warnings.warn(f"checkpoint {step} of {run} cannot be read ({why}); using step "
-                      f"{restored['step']}, the newest that can", stacklevel=2)
-    return model, tokenizer, preset, mesh, restored["step"]
+    """The earlier spelling of `minigpt.runs.load_run`, kept for scripts that use it: the
+    run's (model, tokenizer, preset, mesh, step)."""
+    loaded = load_run(run, preset_name)
+    return loaded.model, loaded.tokenizer, loaded.preset, loaded.mesh, loaded.step
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -336,14 +307,15 @@ def _print_warning(message, category, filename, lineno, file=None, line=None) ->
 
 def _tell(args: argparse.Namespace) -> int:
     try:
-        model, tokenizer, preset, mesh, step = load_for_generation(args.run, args.preset)
+        loaded = load_run(args.run, args.preset)
+        model, tokenizer, step = loaded.model, loaded.tokenizer, loaded.step
         prompts = [args.prompt] * args.num_samples
         rng = jax.random.key(args.seed)
         stream = args.num_samples == 1
         check_request(model.config.context_len, [len(tokenizer.encode_ordinary(args.prompt))],
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, has_rng=True)
-        with sharding.use_preset(preset, mesh):
+        with sharding.use_preset(loaded.preset, loaded.mesh):
             if stream:
                 print(args.prompt, end="", flush=True)
             stories = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
@@ -356,11 +328,13 @@ def _tell(args: argparse.Namespace) -> int:
         else:
             for i, story in enumerate(stories):
                 print(f"--- sample {i + 1} (step {step}) ---\n{story}\n")
-    except (GenerationError, CheckpointError, TokenizerError, sharding.PresetError) as e:
+    except (GenerationError, *LOAD_ERRORS) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 
+
+sys.modules[__name__].__class__ = CallableModule  # minigpt.generate(...) calls generate(...)
 
 if __name__ == "__main__":
     relaunch_with_huge_pages()

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from pathlib import Path
 
-from minigpt.download import TINYSTORIES_REVISION, download_file, expected_file, hf_url
-from minigpt.runtime import set_simulated_devices
+from minigpt.data.download import TINYSTORIES_REVISION, download_file, expected_file, hf_url
+from minigpt.runtime import has_accelerator, set_simulated_devices
 
 # The 19 MB validation file of TinyStories v1: enough stories for a first model in minutes.
 NOTEBOOK_FILE = "TinyStories-valid.txt"
@@ -31,12 +30,6 @@ NOTEBOOK_FILE = "TinyStories-valid.txt"
 class NotebookSetup:
     small: bool  # MINIGPT_SMALL=1: tiny models and few steps, for the test suite
     runs: Path  # where runs and prepared data land
-
-
-def has_accelerator() -> bool:
-    """A GPU or TPU is attached (checked without starting JAX, which would fix the devices)."""
-    return (shutil.which("nvidia-smi") is not None or Path("/dev/accel0").exists()
-            or "COLAB_TPU_ADDR" in os.environ)
 
 
 def setup(devices: int = 8) -> NotebookSetup:

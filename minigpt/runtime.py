@@ -11,8 +11,11 @@
   buffer afresh on each step; with ordinary 4 KiB pages the kernel then spends much of the step
   zero-filling pages on first touch. Transparent huge pages cut that cost 512-fold: a CPU train
   step of `minigpt` runs 15-25% faster (bench/RESULTS.md). The restarted process says so once,
-  on stderr. `MINIGPT_HUGE_PAGES=0` turns it off; setting GLIBC_TUNABLES yourself, to anything,
-  leaves your setting alone.
+  on stderr. It restarts only where that changes something: not for `--help`, not where the
+  kernel's transparent huge pages are off, not with an accelerator attached (the steps do not
+  run on the CPU there). `MINIGPT_HUGE_PAGES=0` turns it off; setting GLIBC_TUNABLES yourself,
+  to anything, leaves your setting alone.
+- `has_accelerator()`: whether a GPU or TPU is attached, asked without starting JAX.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import shutil
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import jax
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
+TRANSPARENT_HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _RELAUNCHED = "_MINIGPT_RELAUNCHED_WITH_HUGE_PAGES"  # set for the restarted process only
 
 
@@ -69,12 +75,29 @@ def relaunch_with_huge_pages() -> None:
     libc, version = platform.libc_ver()
     if (sys.platform != "linux" or libc != "glibc" or "GLIBC_TUNABLES" in os.environ
             or os.environ.get("MINIGPT_HUGE_PAGES") == "0"
-            or tuple(int(v) for v in version.split(".")[:2]) < (2, 35)):
+            or tuple(int(v) for v in version.split(".")[:2]) < (2, 35)
+            or {"-h", "--help"} & set(sys.argv[1:]) or not _huge_pages_available()
+            or has_accelerator()):
         return
     env = {**os.environ, "GLIBC_TUNABLES": HUGE_PAGES, _RELAUNCHED: "1"}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _huge_pages_available() -> bool:
+    """Whether the kernel gives transparent huge pages to a process that asks (the setting is
+    `always` or `madvise`, not `never`)."""
+    try:
+        return "[never]" not in TRANSPARENT_HUGE_PAGES.read_text()
+    except OSError:
+        return False
+
+
+def has_accelerator() -> bool:
+    """A GPU or TPU is attached (checked without starting JAX, which would fix the devices)."""
+    return (shutil.which("nvidia-smi") is not None or Path("/dev/accel0").exists()
+            or "COLAB_TPU_ADDR" in os.environ)
 
 
 class StopOnInterrupt:

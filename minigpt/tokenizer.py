@@ -3,11 +3,13 @@
 Two kinds of name work: tiktoken's own encodings (`gpt2`), and byte-level BPE vocabularies
 trained on TinyStories that ship with minigpt as ranks files (`tinystories-4k`, in
 `minigpt/vocabularies/`, each beside a JSON file saying how it was made); a path to such a
-`.tiktoken` file works too. Either way the runtime tokenizer is a `tiktoken.Encoding`: the
-shipped vocabularies are their mergeable ranks, GPT-2's split pattern and `<|endoftext|>` as the
-last id. `train_tokenizer` makes a new one from story files (with the optional `rustbpe`
-trainer). A ranks file converted from a Hugging Face tokenizer (`minigpt.hf_tokenizer`) has its
-own split regex and special tokens, recorded as `pat_str` and `special_tokens` in its JSON.
+`.tiktoken` file works too. Either way the runtime tokenizer is an `Encoding`: a
+`tiktoken.Encoding` that keeps what it was made of at hand (`ranks`, `pattern`,
+`special_tokens`), which exporting it needs and tiktoken keeps private. The shipped vocabularies
+are their mergeable ranks, GPT-2's split pattern and `<|endoftext|>` as the last id; a ranks file
+converted from a Hugging Face tokenizer by earlier versions has its own split regex and special
+tokens, recorded as `pat_str` and `special_tokens` in its JSON. Training a new vocabulary is
+`minigpt.data.vocabulary`.
 
 tiktoken fetches an encoding's BPE files from OpenAI's blob store on first use and keeps them in
 a cache directory. Without a network and without that cache it fails deep inside `requests`
@@ -23,16 +25,14 @@ import binascii
 import functools
 import json
 import os
-import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
-from importlib.metadata import version
+from collections.abc import Iterable
 from pathlib import Path
 
 import tiktoken
+from tiktoken_ext import openai_public
 
-from minigpt.files import sha256, write_text_atomic
-from minigpt.stories import StoryFile
+from minigpt.files import write_text_atomic
 
 DEFAULT_TOKENIZER = "gpt2"
 SHIPPED_DIR = Path(__file__).resolve().parent / "vocabularies"
@@ -44,6 +44,17 @@ PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S
 
 class TokenizerError(RuntimeError):
     """A tokenizer cannot be loaded; the message says what to do about it."""
+
+
+class Encoding(tiktoken.Encoding):
+    """A tiktoken encoding with what it is made of at hand: `ranks` (token bytes -> id, the id
+    also the merge priority), the split regex `pattern` and `special_tokens` (name -> id)."""
+
+    def __init__(self, name: str, *, pattern: str, ranks: dict[bytes, int],
+                 special_tokens: dict[str, int], explicit_n_vocab: int | None = None):
+        super().__init__(name, pat_str=pattern, mergeable_ranks=ranks,
+                         special_tokens=special_tokens, explicit_n_vocab=explicit_n_vocab)
+        self.ranks, self.pattern, self.special_tokens = ranks, pattern, dict(special_tokens)
 
 
 def _cache_dir() -> str:
@@ -68,25 +79,30 @@ def ranks_file(name: str) -> Path | None:
     return None
 
 
-@functools.cache
-def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> tiktoken.Encoding:
-    """The tiktoken encoding called `name` (or read from the ranks file `name`), loaded once per
-    process.
+def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> Encoding:
+    """The encoding called `name` (or read from the ranks file `name`), loaded once per process.
 
     Raises TokenizerError for an unknown name (listing the known ones), an unreadable ranks file,
     and when tiktoken's files can be neither read from the cache nor downloaded.
     """
+    return _load(name)
+
+
+@functools.cache
+def _load(name: str) -> Encoding:
     path = ranks_file(name)
     if path is not None:
         return _from_ranks(name, path)
-    known = tiktoken.list_encoding_names()
+    known = openai_public.ENCODING_CONSTRUCTORS
     if name not in known:
         raise TokenizerError(
             f"unknown tokenizer {name!r}: minigpt ships {', '.join(shipped_tokenizers())}; "
             f"tiktoken {tiktoken.__version__} knows {', '.join(sorted(known))}; or give the "
             f"path of a .tiktoken ranks file")
     try:
-        return tiktoken.get_encoding(name)
+        # tiktoken's plugin table says what each encoding is made of; reading it ourselves
+        # keeps the ranks at hand.
+        made_of = known[name]()
     except (OSError, ValueError) as error:
         # requests' connection errors are OSErrors; a download that fails tiktoken's sha256
         # check is a ValueError. Both mean the files are not usable from here.
@@ -99,6 +115,9 @@ def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> tiktoken.Encoding:
             f"`tiktoken.get_encoding({name!r})` ran, then `export TIKTOKEN_CACHE_DIR=<that "
             f"directory>`."
         ) from error
+    return Encoding(made_of["name"], pattern=made_of["pat_str"],
+                    ranks=made_of["mergeable_ranks"], special_tokens=made_of["special_tokens"],
+                    explicit_n_vocab=made_of.get("explicit_n_vocab"))
 
 
 def read_ranks(path: Path, special_ids: Iterable[int] = ()) -> dict[bytes, int]:
@@ -143,7 +162,7 @@ def read_provenance(path: Path) -> dict:
     return provenance
 
 
-def _from_ranks(name: str, path: Path) -> tiktoken.Encoding:
+def _from_ranks(name: str, path: Path) -> Encoding:
     """A ranks file as an encoding: the split regex (`pat_str`) and special tokens come from its
     provenance JSON (converted vocabularies have both); else GPT-2's pattern and
     `<|endoftext|>` after the last rank."""
@@ -152,25 +171,14 @@ def _from_ranks(name: str, path: Path) -> tiktoken.Encoding:
     ranks = read_ranks(path, specials.values() if specials else ())
     pat_str = provenance.get("pat_str", PATTERN)
     try:
-        return tiktoken.Encoding(name=path.stem, pat_str=pat_str, mergeable_ranks=ranks,
-                                 special_tokens=specials or {EOT: len(ranks)})
+        return Encoding(path.stem, pattern=pat_str, ranks=ranks,
+                        special_tokens=specials or {EOT: len(ranks)})
     except ValueError as error:  # a pat_str that tiktoken's regex engine does not compile
         raise TokenizerError(f"{path.with_suffix('.json')}: tiktoken refuses its pat_str: "
                              f"{error}") from error
 
 
-def keep_vocabulary(name: str, source_run: Path, run: Path) -> str:
-    """A run that starts from the weights of `source_run` keeps its own copy of the vocabulary
-    file that run holds (an imported tokenizer), so it does not depend on that directory; the
-    tokenizer name to use from now on (`name` itself for any other tokenizer)."""
-    path = Path(name)
-    if path.suffix != ".tiktoken" or path.parent != source_run.absolute():
-        return name
-    run.mkdir(parents=True, exist_ok=True)
-    for file in (path, path.with_suffix(".json")):
-        if file.is_file():
-            shutil.copy2(file, run / file.name)
-    return str((run / path.name).absolute())
+load_tokenizer.cache_clear = _load.cache_clear  # forget what was loaded (tests)
 
 
 def write_ranks(ranks: dict[bytes, int], path: str | Path, provenance: dict) -> None:
@@ -180,41 +188,3 @@ def write_ranks(ranks: dict[bytes, int], path: str | Path, provenance: dict) -> 
              for token, rank in sorted(ranks.items(), key=lambda item: item[1])]
     write_text_atomic(path, "\n".join(lines) + "\n")
     write_text_atomic(path.with_suffix(".json"), json.dumps(provenance, indent=2) + "\n")
-
-
-def train_ranks(texts: Iterable[str], vocab_size: int) -> dict[bytes, int]:
-    """Train a byte-level BPE of `vocab_size` tokens in all (the last is `<|endoftext|>`) with
-    rustbpe, splitting text with GPT-2's pattern; returns the mergeable ranks."""
-    try:
-        import rustbpe  # an optional extra: only retraining a vocabulary needs it
-    except ImportError as error:
-        raise TokenizerError("training a tokenizer needs the BPE trainer: "
-                             "pip install -e \".[bpe]\" (or pip install rustbpe)") from error
-    if vocab_size < 257 + 1:
-        raise TokenizerError(f"vocab size {vocab_size} leaves no room for merges: the 256 "
-                             f"bytes and <|endoftext|> take 257")
-    trainer = rustbpe.Tokenizer()
-    trainer.train_from_iterator(iter(texts), vocab_size - 1, pattern=PATTERN)
-    return {bytes(token): rank for token, rank in trainer.get_mergeable_ranks()}
-
-
-def train_tokenizer(files: Sequence[str | Path], vocab_size: int, out: str | Path) -> dict:
-    """Train a BPE vocabulary on the stories of `files` (read as `minigpt.stories` reads them);
-    write `out` (.tiktoken) and its provenance JSON beside it; return the provenance."""
-    story_files = [StoryFile(path) for path in files]
-
-    def stories():
-        for story_file in story_files:
-            for batch, _ in story_file.batches():
-                yield from batch
-
-    ranks = train_ranks(stories(), vocab_size)
-    sources = [{"file": f.path.name, "bytes": f.size, "sha256": sha256(f.path)}
-               for f in story_files]
-    provenance = {"vocab_size": len(ranks) + 1, "special_tokens": {EOT: len(ranks)},
-                  "trained_on": sources, "trainer": f"rustbpe {version('rustbpe')}",
-                  "pattern": "GPT-2's (minigpt.tokenizer.PATTERN)",
-                  "command": "python -m minigpt.data tokenizer --vocab-size "
-                             f"{vocab_size} --text {' '.join(f.path.name for f in story_files)}"}
-    write_ranks(ranks, out, provenance)
-    return provenance

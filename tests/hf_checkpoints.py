@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minigpt import hf_tokenizer_export, weights
+from minigpt.hub import safetensors as weights
+from minigpt.hub import tokenizer_export
 from minigpt.tokenizer import load_tokenizer
 
 
@@ -84,5 +85,5 @@ def write_hf(directory: Path, config: dict, tensors: dict, *, dtype=np.float32,
                  max_file_bytes=max_file_bytes)
     if tokenizer:
         (directory / "tokenizer.json").write_text(json.dumps(
-            hf_tokenizer_export.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
+            tokenizer_export.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
     return directory

@@ -11,9 +11,9 @@ import jax
 import pytest
 
 from minigpt import train
-from minigpt.budget import TimeBudget
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
+from minigpt.train.budget import TimeBudget
 
 
 class Job:

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from minigpt import generate, sharding, steps, train
+from minigpt import generate, sharding, train
 from minigpt.checkpoint import Checkpointer, CheckpointError
 from minigpt.config import ModelConfig, TrainConfig
 from minigpt.models import build_model
+from minigpt.train import optimizer as optim
 
 SMALL = ModelConfig(vocab_size=512, context_len=32, embed_dim=64, num_heads=8, mlp_dim=64,
                     num_layers=2)
@@ -29,7 +30,7 @@ def state(preset_name: str, seed: int):
 
     def build():
         model = build_model(SMALL, rngs=nnx.Rngs(seed))
-        return model, nnx.Optimizer(model, steps.make_optimizer(TrainConfig()), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, optim.make_optimizer(TrainConfig()), wrt=nnx.Param)
 
     return sharding.create_sharded(build, preset, sharding.make_mesh(preset))
 

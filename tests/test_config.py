@@ -2,7 +2,6 @@
 config.json written atomically and read back, damaged or foreign files refused clearly."""
 
 import dataclasses
-import json
 
 import pytest
 
@@ -11,16 +10,13 @@ from minigpt.config import (
     ModelConfig,
     TrainConfig,
     apply_overrides,
-    load_run_config,
-    model_config_from_dict,
     parse_duration,
     parse_step_range,
-    save_run_config,
     warmup_for,
 )
 from minigpt.models import get_config
-from minigpt.recipes import available_recipes, load_recipe
 from minigpt.tokenizer import load_tokenizer
+from minigpt.train.recipes import available_recipes, load_recipe
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -77,43 +73,6 @@ def test_bad_overrides_say_what_is_wrong(item, message):
     with pytest.raises(ConfigError) as e:
         apply_overrides(ModelConfig(), TrainConfig(), [item])
     assert message in str(e.value)
-
-
-def test_run_config_round_trips_and_leaves_no_temporary_file(tmp_path):
-    model, train = ModelConfig(num_layers=3), TrainConfig(steps=9, data=("x.txt",))
-    path = tmp_path / "config.json"
-    save_run_config(path, model, train, preset="dp", tokenizer="gpt2")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
-    saved = load_run_config(path)
-    assert saved["model"] == model and saved["preset"] == "dp"
-    assert TrainConfig(**{**saved["train"], "data": tuple(saved["train"]["data"])}) == train
-
-
-def test_damaged_missing_and_foreign_run_configs_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="is this a minigpt run directory"):
-        load_run_config(tmp_path / "config.json")
-    (tmp_path / "config.json").write_text('{"model": {"arch": "minigpt"')
-    with pytest.raises(ConfigError, match="not valid JSON.*damaged"):
-        load_run_config(tmp_path / "config.json")
-    with pytest.raises(ConfigError, match=r"unknown model config fields \['wings'\]"):
-        model_config_from_dict({**dataclasses.asdict(ModelConfig()), "wings": 2})
-
-
-def test_a_config_json_without_newer_fields_still_loads(tmp_path):
-    values = dataclasses.asdict(ModelConfig())
-    del values["kernels"]  # written before the field existed
-    (tmp_path / "config.json").write_text(json.dumps({"model": values, "train": {}}))
-    assert load_run_config(tmp_path / "config.json")["model"].kernels == "auto"
-
-
-def test_a_run_from_before_models_named_their_tokenizer_keeps_the_data_tokenizer(tmp_path):
-    values = dataclasses.asdict(ModelConfig(vocab_size=4096))
-    del values["tokenizer"]
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model": values, "train": {}, "tokenizer": "tinystories-4k"}))
-    assert load_run_config(path)["model"].tokenizer == "tinystories-4k"
-    path.write_text(json.dumps({"model": values, "train": {}}))  # older still: GPT-2's
-    assert load_run_config(path)["model"].tokenizer == "gpt2"
 
 
 @pytest.mark.parametrize("text, seconds", [

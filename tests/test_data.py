@@ -17,9 +17,8 @@ from conftest import (
     write_synthetic_stories,
 )
 
-from minigpt import download
-from minigpt.data import main, prepare_tinystories, resolve_data
-from minigpt.token_files import DataError, load_meta
+from minigpt.data import download, main, prepare_tinystories, resolve_data
+from minigpt.data.token_files import DataError, load_meta
 
 
 @pytest.fixture(scope="module")

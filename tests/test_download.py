@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from minigpt import download
-from minigpt.token_files import DataError
+from minigpt.data import download
+from minigpt.data.token_files import DataError
 
 
 def _fetch(server, tmp_path, data: bytes, **kwargs) -> tuple[Path, str]:

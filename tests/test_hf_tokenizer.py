@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import regex
-import tiktoken
 
 pytest.importorskip("tokenizers", reason="Hugging Face `tokenizers` is the ground truth of "
                                          "these tests: pip install tokenizers")
@@ -28,9 +27,9 @@ from tokenizers import (  # noqa: E402
 )
 from tokenizers import pre_tokenizers as pt  # noqa: E402
 
-from minigpt import hf_tokenizer as hf  # noqa: E402
-from minigpt import hf_tokenizer_export as hf_export  # noqa: E402
-from minigpt.tokenizer import PATTERN, TokenizerError, load_tokenizer  # noqa: E402
+from minigpt.hub import tokenizer_export as hf_export  # noqa: E402
+from minigpt.hub import tokenizer_files as hf  # noqa: E402
+from minigpt.tokenizer import PATTERN, Encoding, TokenizerError, load_tokenizer  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Llama 3's split regex (the same as tiktoken's cl100k_base).
@@ -268,8 +267,7 @@ def test_merges_are_the_last_bpe_step_when_a_token_splits_two_ways(first, split)
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({first: 256, ({b"ab", b"bc"} - {first}).pop(): 257, b"abc": 258})
     assert hf_export.recover_merges(ranks)[-1] == split
-    enc = tiktoken.Encoding(name="abc", pat_str=PATTERN, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": 259})
+    enc = Encoding("abc", pattern=PATTERN, ranks=ranks, special_tokens={"<|endoftext|>": 259})
     tokenizer = Tokenizer.from_str(json.dumps(hf_export.tokenizer_json_from_encoding(enc)))
     assert_same_ids(tokenizer, enc, ["abc", "abcabc", "xabc", "zabcd", "ab bc abcbc", "cab"])
 

@@ -21,9 +21,10 @@ import pytest
 from flax import nnx
 from hf_checkpoints import gpt2_checkpoint, llama_checkpoint, write_hf
 
-from minigpt import hf_tokenizer, hub, sharding, weights
-from minigpt.config import load_run_config
-from minigpt.generate import load_for_generation
+from minigpt import hub, sharding
+from minigpt.hub import safetensors as weights
+from minigpt.hub import tokenizer_files as hf_tokenizer
+from minigpt.runs import VOCABULARY, RunDir, load_run
 from minigpt.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,10 +118,10 @@ def llama_reference(config, w, ids):
 
 def minigpt_logits(run: Path, preset_name: str, ids: np.ndarray):
     """The imported run's logits [B, T, V] (padding dropped) under a preset, and the model."""
-    model, _, preset, mesh, _ = load_for_generation(run, preset_name)
-    with sharding.use_preset(preset, mesh):
-        logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ids))
-    return np.asarray(logits)[..., :model.config.vocab_size], model
+    loaded = load_run(run, preset_name)
+    with sharding.use_preset(loaded.preset, loaded.mesh):
+        logits = nnx.jit(lambda m, t: m(t))(loaded.model, jnp.asarray(ids))
+    return np.asarray(logits)[..., :loaded.config.vocab_size], loaded.model
 
 
 IDS = np.random.default_rng(1).integers(0, 4096, size=(8, 24))
@@ -138,9 +139,9 @@ def test_gpt2_import_matches_the_architecture_under_every_preset(tmp_path, gpt2)
     hf = write_hf(tmp_path / "hf", config, w)
     run = tmp_path / "run"
     assert hub.main(["import", str(hf), "--out", str(run)]) == 0
-    saved = load_run_config(run / "config.json")
-    assert saved["model"].tokenizer == "gpt2" and saved["model"].arch == "gpt2"
-    assert "train" not in saved and saved["imported"]["source"] == str(hf)
+    saved = RunDir(run).read()
+    assert saved.model.tokenizer == "gpt2" and saved.model.arch == "gpt2"
+    assert saved.train is None and saved.imported["source"] == str(hf)
     reference = np.stack([gpt2_reference(config, w, row) for row in IDS])
     logits, _ = minigpt_logits(run, "dp", IDS)
     _close(logits, reference)
@@ -168,11 +169,11 @@ def test_llama_import_matches_the_architecture(tmp_path, tied, head_dim, dtype, 
     assert (hf / weights.INDEX).is_file() == (dtype == np.float32)
     run = tmp_path / "run"
     assert hub.main(["import", str(hf), "--out", str(run), "--preset", "fsdp"]) == 0
-    cfg = load_run_config(run / "config.json")["model"]
+    cfg = RunDir(run).read().model
     assert (cfg.tie_embeddings, cfg.num_kv_heads, cfg.head_dim) == (tied, 2, head_dim or 8)
     assert cfg.qk_norm == qk_norm
-    assert (run / hub.RUN_TOKENIZER).is_file()
-    assert json.loads((run / "config.json").read_text())["model"]["tokenizer"] == hub.RUN_TOKENIZER
+    assert (run / VOCABULARY).is_file()
+    assert json.loads((run / "config.json").read_text())["model"]["tokenizer"] == VOCABULARY
     as_read = {k: v.astype(dtype).astype(np.float32) for k, v in w.items()}
     reference = np.stack([llama_reference(config, as_read, row) for row in IDS[:2]])
     logits, model = minigpt_logits(run, "dp", IDS[:2])
@@ -205,8 +206,7 @@ def test_import_then_export_gives_back_the_same_tensors(tmp_path, qk_norm):
     assert exported_enc.encode(text, allowed_special="all") == enc.encode(text)
     # import of the export: the same parameters, bit for bit
     assert hub.main(["import", str(tmp_path / "out"), "--out", str(tmp_path / "again")]) == 0
-    first, _, _, _, _ = load_for_generation(tmp_path / "run")
-    second, _, _, _, _ = load_for_generation(tmp_path / "again")
+    first, second = load_run(tmp_path / "run").model, load_run(tmp_path / "again").model
     for a, b in zip(jax.tree.leaves(nnx.state(first)), jax.tree.leaves(nnx.state(second))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -227,11 +227,11 @@ def test_gpt2_export_round_trip_and_minigpt_refused(tmp_path, gpt2):
 
 
 def test_export_refuses_the_minigpt_architecture(tmp_path, capsys):
-    from minigpt.config import ModelConfig, save_run_config
+    from minigpt.config import ModelConfig
 
     run = tmp_path / "run"
     run.mkdir()
-    save_run_config(run / "config.json", ModelConfig(arch="minigpt"), None)
+    RunDir(run).write(ModelConfig(arch="minigpt"), None)
     assert hub.main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "'minigpt' model cannot be exported" in err and err.count("\n") == 1
@@ -310,8 +310,8 @@ def test_import_never_overwrites_a_run(tmp_path, capsys):
 
 
 def test_the_imported_run_is_not_resumed_but_started_from(tmp_path, capsys):
-    from minigpt.cli import build_parser, resolve_configs
     from minigpt.config import ConfigError
+    from minigpt.train.cli import build_parser, resolve_configs
 
     config, w = llama_checkpoint(L=2)
     hf = write_hf(tmp_path / "hf", config, w, tokenizer="tinystories-4k")
@@ -326,7 +326,7 @@ def test_the_imported_run_is_not_resumed_but_started_from(tmp_path, capsys):
                                                    "--set", "model.num_layers=4"]))
     model_cfg, train_cfg = resolve_configs(build_parser().parse_args(
         ["--init-from", str(run), "--set", "model.dropout=0.1", "--out", str(tmp_path / "new")]))
-    assert model_cfg.tokenizer == str((run / hub.RUN_TOKENIZER).absolute())
+    assert model_cfg.tokenizer == str((run / VOCABULARY).absolute())
     assert (model_cfg.dropout, model_cfg.num_kv_heads, train_cfg.init_from) == (0.1, 2, str(run))
 
 
@@ -359,9 +359,9 @@ def test_hub_ids_are_read_from_the_cache_offline(tmp_path):
     done = _hub_import(["someone/tiny-llama", "--revision", commit, "--out",
                         str(tmp_path / "run")], tmp_path / "cache", tmp_path)
     assert done.returncode == 0, done.stderr
-    saved = load_run_config(tmp_path / "run" / "config.json")
-    assert saved["imported"]["source"] == "someone/tiny-llama"
-    assert saved["imported"]["revision"] == commit
+    saved = RunDir(tmp_path / "run").read()
+    assert saved.imported["source"] == "someone/tiny-llama"
+    assert saved.imported["revision"] == commit
     missing = _hub_import(["someone/not-cached", "--out", str(tmp_path / "other")],
                           tmp_path / "cache", tmp_path)
     assert missing.returncode == 2
@@ -394,8 +394,7 @@ def test_safetensors_files_agree_with_the_safetensors_package(tmp_path):
 # --- fine-tuning from imported weights -------------------------------------------------------
 
 def test_a_new_run_starts_from_imported_weights_and_resumes(tmp_path, small_stories, capsys):
-    from minigpt import cli
-    from minigpt.train import train
+    from minigpt.train import cli, train
 
     config, w = llama_checkpoint(L=2)
     hf = write_hf(tmp_path / "hf", config, w, tokenizer="tinystories-4k")
@@ -410,18 +409,18 @@ def test_a_new_run_starts_from_imported_weights_and_resumes(tmp_path, small_stor
     assert "starting from the weights of" in capsys.readouterr().out
     saved = json.loads((new / "config.json").read_text())
     assert saved["train"]["init_from"] == str(imported)
-    assert saved["model"]["tokenizer"] == hub.RUN_TOKENIZER  # its own copy of the vocabulary
-    assert (new / hub.RUN_TOKENIZER).read_bytes() == (imported / hub.RUN_TOKENIZER).read_bytes()
+    assert saved["model"]["tokenizer"] == VOCABULARY  # its own copy of the vocabulary
+    assert (new / VOCABULARY).read_bytes() == (imported / VOCABULARY).read_bytes()
     # two steps at a learning rate of 1e-9 leave the imported weights (a fresh model would not
     # be anywhere near them)
-    start, _, _, _, _ = load_for_generation(imported)
-    tuned, _, _, _, step = load_for_generation(new)
+    start = load_run(imported).model
+    tuned, step = load_run(new).model, load_run(new).step
     assert step == 2
     for a, b in zip(jax.tree.leaves(nnx.state(start)), jax.tree.leaves(nnx.state(tuned))):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
     # the command that started it, with --resume added and a new end, goes on
     assert cli.run([*argv, "--resume", "--steps", "3"], train) == 0
-    assert load_for_generation(new)[4] == 3
+    assert load_run(new).step == 3
 
 
 def test_a_vocabulary_without_endoftext_exports_with_its_own_end_token(tmp_path):

@@ -18,8 +18,10 @@ from flax import nnx
 torch = pytest.importorskip("torch", reason="torch is the [hf] extra (a large download)")
 transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 
-from minigpt import hf_tokenizer_export, hub, sharding  # noqa: E402
-from minigpt.generate import generate_tokens, load_for_generation  # noqa: E402
+from minigpt import hub, sharding  # noqa: E402
+from minigpt.generate import generate_tokens  # noqa: E402
+from minigpt.hub import tokenizer_export  # noqa: E402
+from minigpt.runs import load_run  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
 IDS = np.random.default_rng(0).integers(0, 4096, size=(2, 20))
@@ -51,7 +53,8 @@ def _theirs(model, ids):
 
 
 def _ours(run, ids):
-    model, _, preset, mesh, _ = load_for_generation(run)
+    loaded = load_run(run)
+    model, preset, mesh = loaded.model, loaded.preset, loaded.mesh
     with sharding.use_preset(preset, mesh):
         logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ids))
     return np.asarray(logits)[..., :model.config.vocab_size], (model, preset, mesh)
@@ -65,7 +68,7 @@ def _save(model, directory, tokenizer=None):
     model.save_pretrained(directory, safe_serialization=True)
     if tokenizer:
         (directory / "tokenizer.json").write_text(json.dumps(
-            hf_tokenizer_export.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
+            tokenizer_export.tokenizer_json_from_encoding(load_tokenizer(tokenizer))))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama-untied", "llama-tied", "qwen3"])

@@ -11,10 +11,10 @@ import pytest
 from conftest import random_batch, zoo_config
 from flax import nnx
 
-from minigpt import kernels, steps
 from minigpt.config import ConfigError
-from minigpt.loss import _chunk_len, cross_entropy
-from minigpt.models import build_model, get_config
+from minigpt.models import build_model, get_config, kernels
+from minigpt.models.loss import _chunk_len, cross_entropy
+from minigpt.train import steps
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigpt"
 
@@ -147,4 +147,4 @@ def test_cross_entropy_ignores_vocabulary_padding():
 def test_only_the_kernels_module_asks_for_the_backend():
     asking = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                     if "default_backend" in p.read_text())
-    assert asking == ["kernels.py"]
+    assert asking == ["models/kernels.py"]

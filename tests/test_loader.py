@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import minigpt.loader
-from minigpt.loader import batch_iterator
-from minigpt.token_files import DataError
+import minigpt.data.loader
+from minigpt.data.loader import batch_iterator
+from minigpt.data.token_files import DataError
 
 # ---------------------------------------------------------------------------------------------
 # The batch iterator, over a token file whose token at position i is i (so every row names its
@@ -92,8 +92,8 @@ def test_a_process_gathers_only_its_own_rows(counting, monkeypatch):
             reads.append(np.shape(index))
             return self.tokens[index]
 
-    real_open = minigpt.loader.open_split
-    monkeypatch.setattr(minigpt.loader, "open_split", lambda *a: Spy(real_open(*a)))
+    real_open = minigpt.data.loader.open_split
+    monkeypatch.setattr(minigpt.data.loader, "open_split", lambda *a: Spy(real_open(*a)))
     it = batch_iterator(counting, "train", seq_len=16, batch_size=8, seed=0, process_index=3,
                         process_count=4)
     take(it, 3)

@@ -15,8 +15,8 @@ from conftest import REPO, losses
 
 from minigpt import train
 from minigpt.config import TrainConfig
-from minigpt.lock import LOCK_NAME, RunLock, RunLocked
 from minigpt.models import get_config
+from minigpt.train.lock import LOCK_NAME, RunLock, RunLocked
 
 
 def a_finished_pid() -> int:

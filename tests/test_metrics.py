@@ -6,8 +6,8 @@ import json
 import pytest
 from conftest import tensorboard_scalars
 
-from minigpt import metrics
 from minigpt.models import get_config
+from minigpt.train import flops, metrics
 
 
 def test_flops_per_token_matches_a_hand_count_for_minigpt():
@@ -15,14 +15,14 @@ def test_flops_per_token_matches_a_hand_count_for_minigpt():
     per_layer = 4 * 256 * 256 + 2 * 256 * 256  # query, key, value, output; up and down
     head = 256 * 50257
     attention = 12 * 8 * 256 * 256  # scores and weighted sum, forward and backward
-    assert metrics.flops_per_token(get_config("minigpt"), 256) == 6 * (
+    assert flops.flops_per_token(get_config("minigpt"), 256) == 6 * (
         8 * per_layer + head) + attention == 102_360_576
 
 
 def test_flops_per_token_counts_grouped_kv_heads_and_the_swiglu_gate():
     # llama-15m: D = 128, 4 KV heads of 16 (64 wide), F = 384, 8 layers, context 256.
     per_layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 384
-    assert metrics.flops_per_token(get_config("llama-15m"), 256) == (
+    assert flops.flops_per_token(get_config("llama-15m"), 256) == (
         6 * (8 * per_layer + 128 * 50257) + 12 * 8 * 128 * 256) == 51_180_288
 
 
@@ -30,21 +30,21 @@ def test_peak_comes_from_the_table_for_known_chips_and_is_measured_otherwise(mon
     class Device:
         device_kind = "NVIDIA H100 80GB HBM3"
 
-    monkeypatch.setattr(metrics.jax, "devices", lambda: [Device()])
-    metrics.device_peak.cache_clear()
-    assert metrics.device_peak("bfloat16") == (989e12, "NVIDIA H100 80GB HBM3 data sheet")
+    monkeypatch.setattr(flops.jax, "devices", lambda: [Device()])
+    flops.device_peak.cache_clear()
+    assert flops.device_peak("bfloat16") == (989e12, "NVIDIA H100 80GB HBM3 data sheet")
     Device.device_kind = "cpu"
-    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda dtype: 1.5e11)
-    metrics.device_peak.cache_clear()
-    assert metrics.device_peak("float32") == (1.5e11, "cpu: measured float32 matmul (an estimate)")
-    metrics.device_peak.cache_clear()
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda dtype: 1.5e11)
+    flops.device_peak.cache_clear()
+    assert flops.device_peak("float32") == (1.5e11, "cpu: measured float32 matmul (an estimate)")
+    flops.device_peak.cache_clear()
 
 
 def test_the_measured_peak_is_the_fastest_of_the_timed_matmuls(monkeypatch):
     # Three timed runs of a 256 x 256 matmul (2 * 256^3 FLOPs) taking 0.4, 0.2 and 0.3 s.
     ticks = iter([10.0, 10.4, 11.0, 11.2, 12.0, 12.3])
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(ticks))
-    assert metrics.measure_matmul_peak(size=256, repeats=3) == pytest.approx(2 * 256**3 / 0.2)
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: next(ticks))
+    assert flops.measure_matmul_peak(size=256, repeats=3) == pytest.approx(2 * 256**3 / 0.2)
     assert next(ticks, None) is None  # each run was timed, and nothing else
 
 

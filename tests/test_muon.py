@@ -10,9 +10,11 @@ import pytest
 from conftest import losses, random_batch, zoo_config
 from flax import nnx
 
-from minigpt import schedule, sharding, steps, train
+from minigpt import sharding, train
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.models import build_model, get_config
+from minigpt.train import lr_schedule, steps
+from minigpt.train import optimizer as optim
 
 MUON = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3, optimizer="muon",
                    muon_lr=0.02)
@@ -69,7 +71,7 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(name):
     muon, adamw = {}, []
     for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         key = "/".join(map(str, path))
-        dims = steps.muon_dimensions(tuple(jax.tree_util.DictKey(p) for p in path),
+        dims = optim.muon_dimensions(tuple(jax.tree_util.DictKey(p) for p in path),
                                      value.get_value().ndim)
         if dims is None:
             adamw.append(key)
@@ -84,9 +86,9 @@ def muon_step(model_name: str, preset_name: str | None):
 
     def build():
         model = build_model(cfg, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, steps.make_optimizer(MUON), wrt=nnx.Param)
+        return model, nnx.Optimizer(model, optim.make_optimizer(MUON), wrt=nnx.Param)
 
-    rates = schedule.lr_schedule(MUON)
+    rates = lr_schedule.lr_schedule(MUON)
     host = random_batch(cfg.vocab_size, 16, 32)
     preset = sharding.load_preset(preset_name)
     mesh = sharding.make_mesh(preset)
@@ -130,7 +132,7 @@ def test_the_muon_update_is_orthogonal_and_scaled_by_shape():
                                                                    (2, 8, 32))}}}}
     tx = optax.chain(optax.contrib.scale_by_muon(
         weight_dimension_numbers=lambda u: jax.tree_util.tree_map_with_path(
-            lambda p, x: steps.muon_dimensions(p, x.ndim), u)), steps.scale_by_shape())
+            lambda p, x: optim.muon_dimensions(p, x.ndim), u)), optim.scale_by_shape())
     update, _ = tx.update(grads, tx.init(grads))
     for layer in np.asarray(update["blocks"]["mlp"]["up"]["kernel"]):
         singular = np.linalg.svd(layer, compute_uv=False) / 2.0  # sqrt(32 / 8)

@@ -1,7 +1,11 @@
-"""The package's shape: imports point one way (no cycles, counting imports inside functions), and
-every function is short enough to read in one sitting or says why it is not."""
+"""The package's shape: folders by concern with few modules at the top, imports that point one
+way (no cycles, counting imports inside functions), modules and functions short enough to read in
+one sitting, one door to the kernels, no private tiktoken attributes, and a README whose folder
+list is the tree."""
 
 import ast
+import importlib.util
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigpt"
@@ -21,7 +25,11 @@ def imports_graph() -> dict[str, set[str]]:
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+                # `from package import module` depends on that module; `from module import
+                # name` on the module.
+                submodules = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+                names = [a for a in node.names if f"{node.module}.{a.name}" not in modules]
+                found |= submodules | ({node.module} if names else set())
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
         graph[name] = {m for m in found if m in modules and m != name}
@@ -55,8 +63,73 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_imports_point_one_way():
     graph = imports_graph()
-    assert len(graph) > 20 and "minigpt.kernels" in graph["minigpt.models.layers"]
+    assert len(graph) > 20 and "minigpt.models.kernels" in graph["minigpt.models.layers"]
     assert find_cycles(graph) == []
+
+
+def test_folders_by_concern_leave_about_a_dozen_modules_at_the_top():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert {"data", "hub", "models", "pipeline", "sharding", "train"} <= set(packages)
+    assert not [p for p in PACKAGE.rglob("*.py") if p.stem in ("utils", "helpers", "misc",
+                                                                  "common")]
+
+
+def test_no_module_is_over_four_hundred_lines():
+    long = {module_name(p): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_the_trainer_tells_the_run_in_about_350_lines():
+    assert len((PACKAGE / "train" / "trainer.py").read_text().splitlines()) <= 365
+
+
+def test_one_door_to_the_kernels_and_no_private_tiktoken_attributes():
+    asking = sorted(module_name(p) for p in PACKAGE.rglob("*.py") if "kernels.get(" in
+                    p.read_text())
+    assert asking == []  # kernels.active() everywhere; kernels itself resolves the choice
+    private = sorted(module_name(p) for p in PACKAGE.rglob("*.py")
+                     if any(f"._{name}" in p.read_text()
+                            for name in ("mergeable_ranks", "special_tokens", "pat_str")))
+    assert private == []
+
+
+def test_every_command_of_the_readme_is_a_module_that_runs():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    commands = set(re.findall(r"python -m (minigpt(?:\.\w+)+)", readme))
+    assert {"minigpt.train", "minigpt.generate", "minigpt.hub", "minigpt.data",
+            "minigpt.sharding", "minigpt.models", "minigpt.launch"} <= commands
+    for command in commands:
+        spec = importlib.util.find_spec(command)
+        assert spec is not None, command
+        if spec.submodule_search_locations:  # a package runs its __main__
+            assert importlib.util.find_spec(f"{command}.__main__") is not None, command
+
+
+def test_the_readme_folder_list_is_the_tree():
+    """The README's "Inside" section lists every folder and top-level module of the package,
+    each with what it holds, and nothing that is not there."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    inside = readme.split("## Inside", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(\w+/?)`", inside, flags=re.M))
+    tree = {p.name + "/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    tree |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert listed == tree
+    for folder in (p for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()):
+        row = next(line for line in inside.splitlines() if line.startswith(f"| `{folder.name}/`"))
+        modules = {p.stem for p in folder.glob("*.py") if not p.stem.startswith("__")}
+        assert modules <= set(re.findall(r"`(\w+)`", row)), (folder.name, modules)
+
+
+def test_the_public_api_imports_from_the_top():
+    import minigpt
+
+    for name in minigpt.__all__:
+        assert getattr(minigpt, name) is not None, name
+    assert callable(minigpt.train) and callable(minigpt.generate)
+    assert minigpt.train.train is not None and minigpt.generate.generate is not None
 
 
 def test_sharding_depends_on_nothing_of_ours_but_the_config():

@@ -13,17 +13,19 @@ import pytest
 from conftest import losses, random_batch
 from flax import nnx
 
-from minigpt import explain, generate, pipeline, schedule, sharding, steps, train
+from minigpt import explain, generate, pipeline, sharding, train
 from minigpt.config import TrainConfig
-from minigpt.loss import HOISTED_LOGITS
 from minigpt.models import build_model, get_config
 from minigpt.models.layers import row_keys
+from minigpt.models.loss import HOISTED_LOGITS
+from minigpt.train import lr_schedule, steps
+from minigpt.train import optimizer as optim
 
 PIPELINES = ["pp", "dp_pp", "fsdp_pp", "pp_tp", "dp_pp_tp", "fsdp_pp_tp"]
 SCHEDULES = {"gpipe": dict(schedule="gpipe"), "1f1b": dict(schedule="1f1b"),
              "circular": dict(schedule="gpipe", repeats=2)}
 TRAIN = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3)
-RATES = schedule.lr_schedule(TRAIN)
+RATES = lr_schedule.lr_schedule(TRAIN)
 BATCH = 16
 
 
@@ -34,7 +36,7 @@ def deep(name: str, **changes):
 
 def build(cfg):
     model = build_model(cfg, rngs=nnx.Rngs(0))
-    return model, nnx.Optimizer(model, steps.make_optimizer(TRAIN), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, optim.make_optimizer(TRAIN), wrt=nnx.Param)
 
 
 def settings(schedule_name: str, microbatches: int = 4) -> sharding.Pipeline:

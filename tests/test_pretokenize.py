@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from conftest import EOT, expected_stories, tokens_of, write_synthetic_stories
 
-from minigpt import pretokenize, stories
-from minigpt.data import prepare_text
-from minigpt.token_files import DataError, load_meta
+from minigpt.data import prepare, prepare_text, stories
+from minigpt.data.token_files import DataError, load_meta
 
 
 def test_token_files_decode_to_the_source_stories(data_dir, gpt2, stories_file):
@@ -42,7 +41,7 @@ def test_blank_line_layout(tmp_path, gpt2, monkeypatch):
     path.write_text(text)
     for chunk in (None, 5):  # whole file, then 5-byte chunks
         monkeypatch.setattr(stories, "CHUNK_BYTES", chunk or 8 << 20)
-        out = pretokenize.prepare(tmp_path / f"out{chunk}", [path], val_fraction=0.5,
+        out = prepare.prepare(tmp_path / f"out{chunk}", [path], val_fraction=0.5,
                                   progress=False)
         assert out["sources"][0]["layout"] == "blank-line"
         train = gpt2.decode(tokens_of(tmp_path / f"out{chunk}" / "train.bin").tolist())
@@ -55,7 +54,7 @@ def test_blank_line_layout(tmp_path, gpt2, monkeypatch):
 def test_cut_off_last_story_rule(tmp_path, gpt2, ending, kept):
     path = tmp_path / "cut.txt"
     path.write_text(f"Story A.\n{EOT}\nStory B.\n{EOT}\nStory C is cut off mid{ending}")
-    meta = pretokenize.prepare(tmp_path / "out", [path], val_fraction=0.5, progress=False)
+    meta = prepare.prepare(tmp_path / "out", [path], val_fraction=0.5, progress=False)
     assert meta["sources"][0]["dropped_partial_story"] is not kept
     assert meta["train_stories"] + meta["val_stories"] == (3 if kept else 2)
     assert gpt2.decode(tokens_of(tmp_path / "out" / "train.bin").tolist()) == (
@@ -65,13 +64,13 @@ def test_cut_off_last_story_rule(tmp_path, gpt2, ending, kept):
 def test_reuse_and_rebuild(tmp_path, gpt2):
     path = write_synthetic_stories(tmp_path / "s.txt", copies=4)
     out = tmp_path / "out"
-    first = pretokenize.prepare(out, [path], progress=False)
+    first = prepare.prepare(out, [path], progress=False)
     mtime = (out / "train.bin").stat().st_mtime_ns
-    assert pretokenize.prepare(out, [path], progress=False) == first
+    assert prepare.prepare(out, [path], progress=False) == first
     assert (out / "train.bin").stat().st_mtime_ns == mtime
     with open(path, "a") as f:
         f.write("A brand new story about a dog.\n<|endoftext|>\n")
-    second = pretokenize.prepare(out, [path], progress=False)
+    second = prepare.prepare(out, [path], progress=False)
     assert second["train_stories"] + second["val_stories"] == 5 * 4 + 1
     assert second["sources"][0]["sha256"] != first["sources"][0]["sha256"]
     assert not list(out.glob("*.tmp"))
@@ -89,7 +88,7 @@ def test_bad_text_is_refused_clearly(tmp_path, gpt2, content, message):
     path = tmp_path / "input.txt"
     path.write_bytes(content)
     with pytest.raises(DataError, match=message):
-        pretokenize.prepare(tmp_path / "out", [path], progress=False)
+        prepare.prepare(tmp_path / "out", [path], progress=False)
     assert not (tmp_path / "out" / "train.bin").exists()
     assert not list(tmp_path.glob("out/*.tmp"))
 
@@ -101,4 +100,4 @@ def test_invalid_utf8_offset_in_a_later_chunk(tmp_path, gpt2, monkeypatch):
     monkeypatch.setattr(stories, "CHUNK_BYTES", 64)
     offset = path.read_bytes().index(b"\xc3(")
     with pytest.raises(DataError, match=f"late.txt: invalid UTF-8 at byte offset {offset:,}"):
-        pretokenize.prepare(tmp_path / "out", [path], progress=False)
+        prepare.prepare(tmp_path / "out", [path], progress=False)

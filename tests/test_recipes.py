@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from conftest import losses
 
-from minigpt import cli, generate, train
+from minigpt import generate, train
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
-from minigpt.recipes import load_recipe
 from minigpt.tokenizer import load_tokenizer
+from minigpt.train import cli
+from minigpt.train.recipes import load_recipe
 
 
 def configs(*argv):

@@ -17,10 +17,11 @@ import pytest
 from conftest import losses
 from flax import nnx
 
-from minigpt import generate, metrics, train
+from minigpt import generate, train
 from minigpt.checkpoint import TEMPORARY_MARK, Checkpointer, CheckpointError
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.models import build_model, get_config
+from minigpt.train import metrics, trainer
 
 MODEL = get_config("minigpt-tiny")
 
@@ -187,7 +188,7 @@ def test_the_library_refuses_to_overwrite_a_run(config):
 
 def test_the_closing_sample_uses_the_runs_seed(config, monkeypatch):
     keys = []
-    monkeypatch.setattr(train, "generate", lambda *a, rng, **k: keys.append(rng) or ["story"])
+    monkeypatch.setattr(trainer, "generate", lambda *a, rng, **k: keys.append(rng) or ["story"])
     train.train(MODEL, dataclasses.replace(config, steps=2, seed=11), sample=True)
     assert np.array_equal(jax.random.key_data(keys[0]), jax.random.key_data(jax.random.key(11)))
     assert os.path.exists(Path(config.out) / "loss.png")

@@ -21,6 +21,9 @@ def execs(monkeypatch):
     monkeypatch.setattr(runtime.os, "execve", lambda *args: calls.append(args))
     monkeypatch.setattr(runtime.platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(runtime.sys, "platform", "linux")
+    monkeypatch.setattr(runtime.sys, "argv", ["minigpt", "--steps", "3"])
+    monkeypatch.setattr(runtime, "_huge_pages_available", lambda: True)
+    monkeypatch.setattr(runtime, "has_accelerator", lambda: False)
     for name in ("GLIBC_TUNABLES", "MINIGPT_HUGE_PAGES", runtime._RELAUNCHED):
         monkeypatch.delenv(name, raising=False)
     return calls
@@ -48,3 +51,25 @@ def test_huge_pages_can_be_turned_off_or_left_to_the_user(execs, monkeypatch, ca
         monkeypatch.setenv(name, value)
     runtime.relaunch_with_huge_pages()
     assert execs == [] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("change", ["help", "no transparent huge pages", "accelerator"])
+def test_no_restart_where_huge_pages_change_nothing(execs, monkeypatch, capsys, change):
+    if change == "help":
+        monkeypatch.setattr(runtime.sys, "argv", ["minigpt", "--help"])
+    elif change == "accelerator":
+        monkeypatch.setattr(runtime, "has_accelerator", lambda: True)
+    else:
+        monkeypatch.setattr(runtime, "_huge_pages_available", lambda: False)
+    runtime.relaunch_with_huge_pages()
+    assert execs == [] and capsys.readouterr().err == ""
+
+
+def test_transparent_huge_pages_are_read_from_the_kernel_setting(monkeypatch, tmp_path):
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(runtime, "TRANSPARENT_HUGE_PAGES", setting)
+    assert not runtime._huge_pages_available()  # no such file: not Linux's THP
+    for text, available in (("always [madvise] never", True), ("[always] madvise never", True),
+                            ("always madvise [never]", False)):
+        setting.write_text(text + "\n")
+        assert runtime._huge_pages_available() is available

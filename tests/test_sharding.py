@@ -109,7 +109,7 @@ def test_fsdp_splits_every_parameter_eight_ways():
 
 def test_optimizer_state_is_born_with_its_parameter_sharding():
     from minigpt.config import TrainConfig
-    from minigpt.steps import make_optimizer
+    from minigpt.train.optimizer import make_optimizer
 
     preset = sharding.load_preset("fsdp_tp")
 

@@ -10,18 +10,20 @@ import pytest
 from conftest import random_batch, zoo_config
 from flax import nnx
 
-from minigpt import schedule, sharding, steps
+from minigpt import sharding
 from minigpt.config import TrainConfig
 from minigpt.models import build_model, get_config
+from minigpt.train import lr_schedule, steps
+from minigpt.train import optimizer as optim
 
 TINY = get_config("minigpt-tiny")
 TRAIN = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3)
-RATES = schedule.lr_schedule(TRAIN)
+RATES = lr_schedule.lr_schedule(TRAIN)
 
 
 def build(cfg=TINY, train=TRAIN):
     model = build_model(cfg, rngs=nnx.Rngs(0))
-    return model, nnx.Optimizer(model, steps.make_optimizer(train), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, optim.make_optimizer(train), wrt=nnx.Param)
 
 
 def batch_of(batch: int, seq: int, seed: int = 0) -> dict[str, jax.Array]:
@@ -118,7 +120,7 @@ def test_train_step_lowers_the_loss_on_a_repeated_batch():
     cfg = TrainConfig(lr=3e-3, warmup_steps=0)
     model, optimizer = build(dataclasses.replace(TINY, dropout=0.0), cfg)
     batch = batch_of(4, 32)
-    rates = schedule.lr_schedule(cfg)
+    rates = lr_schedule.lr_schedule(cfg)
     losses = [float(steps.train_step(model, optimizer, batch, jax.random.key(0), rates)["loss"])
               for _ in range(5)]
     assert all(b < a for a, b in zip(losses, losses[1:]))
@@ -190,7 +192,7 @@ def test_weight_decay_reaches_exactly_the_weight_matrices_and_tables(model_name,
     nnx.update(model, jax.tree.map(jnp.ones_like, params))  # so that any decay shows
     # Zero gradients: Adam moves nothing, so whatever changes was decayed.
     nnx.jit(lambda m, o, g, r: o.update(m, g, schedule=r))(
-        model, optimizer, jax.tree.map(jnp.zeros_like, params), schedule.lr_schedule(train_cfg))
+        model, optimizer, jax.tree.map(jnp.zeros_like, params), lr_schedule.lr_schedule(train_cfg))
     changed = sorted(".".join(map(str, path)) for path, v in nnx.to_flat_state(
         nnx.state(model, nnx.Param)) if not np.all(np.asarray(v.get_value()) == 1.0))
     top, per_layer = DECAYED[model_name]

@@ -6,8 +6,14 @@ import json
 import numpy as np
 import pytest
 
+from minigpt.data.token_files import (
+    DataError,
+    load_meta,
+    open_split,
+    token_file_problem,
+    write_meta,
+)
 from minigpt.files import replacing, write_text_atomic
-from minigpt.token_files import DataError, load_meta, open_split, token_file_problem, write_meta
 
 META = {"dtype": "uint16", "tokenizer": "gpt2", "train_tokens": 10, "val_tokens": 4}
 

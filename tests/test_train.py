@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from conftest import losses, tensorboard_scalars
 
-from minigpt import generate, metrics, schedule, steps, train
+from minigpt import generate, train
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
+from minigpt.train import lr_schedule, metrics, steps
 
 MODEL = get_config("minigpt-tiny")
 
@@ -43,7 +44,7 @@ def test_a_run_writes_its_directory_and_honest_metrics(config):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
-    rates = schedule.lr_schedule(config)
+    rates = lr_schedule.lr_schedule(config)
     for r in train_records:
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0
         assert r["lr"] == pytest.approx(float(rates(r["step"] - 1)))

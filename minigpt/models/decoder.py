@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt import kernels, loss, pipeline, sharding
+from minigpt import pipeline, sharding
 from minigpt.config import ModelConfig
+from minigpt.models import kernels, loss
 from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys
 from minigpt.sharding import constrain
 
@@ -170,6 +171,16 @@ class DecoderLM(nnx.Module):
         x = constrain(self.embed(tokens, positions, embed_keys), ACTIVATION_AXES)  # [B, T, D]
         x, _ = self.blocks(x, positions, None, keys)
         return x
+
+    @_with_own_kernels
+    def loss(self, batch: dict[str, jax.Array], keys: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each),
+        with dropout when per-row keys are given: the one door to the loss kernel. Under a
+        pipeline preset the model runs as the context's pipeline settings say."""
+        if sharding.active_ways("layers") > 1:
+            return self.pipelined_loss(batch, keys)
+        x = self.features(batch["inputs"], dropout_key=keys)  # [B, T, D]
+        return kernels.active().cross_entropy(self, x, batch["targets"])
 
     @_with_own_kernels
     def pipelined_loss(self, batch: dict[str, jax.Array], keys: jax.Array | None) -> jax.Array:

@@ -20,18 +20,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt import kernels
 from minigpt.config import ModelConfig
+from minigpt.models import kernels
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 ACTIVATION_AXES = ("batch", "seq", "embed")  # [B, T, D] between layers
 
 # The layers name every weight matrix `kernel` and every lookup table `table`; biases are `bias`
-# and norm scales `scale`. Weight decay goes by these names (minigpt.steps.decays).
+# and norm scales `scale`. Weight decay goes by these names (minigpt.train.optimizer.decays).
 DECAYED_PARAMETERS = ("kernel", "table")
 # Projections from the block's inner features back to the embedding (attention's `out`, the
-# MLP's `down`): every axis but the last is an input. Muon reads them so (minigpt.steps).
+# MLP's `down`): every axis but the last is an input. Muon reads them so (minigpt.train.optimizer).
 OUTPUT_PROJECTIONS = ("out", "down")
 
 

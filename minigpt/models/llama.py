@@ -15,8 +15,8 @@ import math
 
 from flax import nnx
 
-from minigpt import kernels
 from minigpt.config import ModelConfig
+from minigpt.models import kernels
 from minigpt.models.decoder import BlockStack, DecoderLM
 from minigpt.models.layers import (
     Attention,

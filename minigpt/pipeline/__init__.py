@@ -95,6 +95,34 @@ def circular_order(settings: sharding.Pipeline, num_layers: int, preset: shardin
     return schedules.layer_order(num_layers, stages, settings.repeats)
 
 
+class LayerOrder:
+    """Where a run keeps its stacked layers while it trains: under a circular schedule in the
+    schedule's order (`circular_order`), which the model and optimizer enter once when the run
+    starts and leave once when it ends, so no weights move at each step; elsewhere in the
+    model's order, and every method does nothing. Checkpoints always hold the model's order."""
+
+    def __init__(self, settings: sharding.Pipeline, num_layers: int, preset: sharding.Preset,
+                 mesh):
+        self.order = circular_order(settings, num_layers, preset, mesh)
+
+    def enter(self, *objects) -> None:
+        """Move NNX objects (the model, its optimizer) from the model's order into the run's."""
+        if self.order is not None:
+            for obj in objects:
+                nnx.update(obj, reorder_layers(nnx.state(obj), self.order))
+
+    def leave(self, *objects) -> None:
+        """Move NNX objects back into the model's order (to generate, say)."""
+        if self.order is not None:
+            back = np.argsort(self.order)
+            for obj in objects:
+                nnx.update(obj, reorder_layers(nnx.state(obj), back))
+
+    def canonical(self, state):
+        """A state held in the run's order, as the model's order stores it (for checkpoints)."""
+        return state if self.order is None else reorder_layers(state, np.argsort(self.order))
+
+
 def reorder_layers(state, positions: np.ndarray):
     """An NNX state (parameters or optimizer state) whose stacked arrays, those with a leading
     `layers` axis, hold their layers in `positions` order: position i gets layer positions[i].

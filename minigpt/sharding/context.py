@@ -50,7 +50,7 @@ class Context:
 
     rules: Rules = ()
     pipeline: Pipeline = Pipeline()
-    kernels: str = "auto"  # minigpt.kernels: "auto", "reference" or "cpu"
+    kernels: str = "auto"  # minigpt.models.kernels: "auto", "reference" or "cpu"
 
 
 _DEFAULT = Context()

@@ -140,6 +140,10 @@ def load_preset(name_or_path: str | Path) -> Preset:
                   rules=tuple(table.items()), path=path)
 
 
+# On a machine without that many devices, the command lines simulate them.
+_SIMULATE = " (on a CPU, --devices N simulates N devices)"
+
+
 def resolve_mesh_shape(preset: Preset, num_devices: int) -> tuple[int, ...]:
     """Replace -1 by the devices the other axes leave; refuse shapes that do not fit."""
     fixed = math.prod(s for s in preset.mesh_shape if s != -1)
@@ -147,13 +151,14 @@ def resolve_mesh_shape(preset: Preset, num_devices: int) -> tuple[int, ...]:
         if num_devices % fixed:
             raise PresetError(
                 f"preset {preset.name!r}: mesh {dict(zip(preset.mesh_axes, preset.mesh_shape))} "
-                f"needs a device count divisible by {fixed}, but there are {num_devices} devices")
+                f"needs a device count divisible by {fixed}, but there are {num_devices} devices"
+                f"{_SIMULATE}")
         return tuple(num_devices // fixed if s == -1 else s for s in preset.mesh_shape)
     if fixed != num_devices:
         raise PresetError(
             f"preset {preset.name!r}: mesh {dict(zip(preset.mesh_axes, preset.mesh_shape))} "
             f"uses {fixed} devices, but there are {num_devices}; use -1 for one axis to "
-            f"take the remaining devices")
+            f"take the remaining devices{_SIMULATE}")
     return preset.mesh_shape
 
 

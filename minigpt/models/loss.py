@@ -1,6 +1,6 @@
 """The next-token loss: plain cross-entropy over logits, and a fused, chunked form of it.
 
-The fused form is what `minigpt.kernels.CpuKernels` runs. The cross-entropy over a 50k
+The fused form is what `minigpt.models.kernels.CpuKernels` runs. The cross-entropy over a 50k
 vocabulary dominates a small model's step; the fused pass never stores the [B, T, V] logits and
 forms each chunk's gradient while its logits are at hand (chunks sized by the vocabulary). With
 a small vocabulary it keeps those gradients and pulls them back through the head in whole-batch

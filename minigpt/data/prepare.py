@@ -2,7 +2,7 @@
 
 Each story is encoded once and followed by the document separator token (`<|endoftext|>`, 50256
 for GPT-2), so the token files are the stories' concatenated stream: no padding, nothing lost.
-Files are read in batches of whole stories (`minigpt.stories`, which also says how a file is
+Files are read in batches of whole stories (`minigpt.data.stories`, which also says how a file is
 split into stories) and encoded with tiktoken's thread-parallel batch encoder, so a 2 GB source
 never sits in memory as one string or one list of tokens. Without an official validation file,
 every `round(1/val_fraction)`-th story (exactly: story i goes to validation when
@@ -25,9 +25,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from minigpt.files import sha256
-from minigpt.stories import SEPARATOR, StoryFile
-from minigpt.token_files import (
+from minigpt.data.stories import SEPARATOR, StoryFile
+from minigpt.data.token_files import (
     SPLITS,
     DataError,
     load_meta,
@@ -35,6 +34,7 @@ from minigpt.token_files import (
     token_file_problem,
     write_meta,
 )
+from minigpt.files import sha256
 from minigpt.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
 FORMAT = 1

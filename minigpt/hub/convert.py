@@ -1,17 +1,13 @@
-"""Pretrained weights in and out: Hugging Face checkpoints become minigpt runs, and back.
+"""Hugging Face checkpoints become minigpt runs, and runs become Hugging Face directories.
 
-    python -m minigpt.hub import openai-community/gpt2 --out runs/gpt2 --preset fsdp --devices 8
-    python -m minigpt.hub import HuggingFaceTB/SmolLM2-135M --out runs/smol
-    python -m minigpt.hub export --run runs/smol-tuned --out exported/smol-tuned
-
-`import` reads a directory in the Hugging Face layout (config.json, safetensors weights, the
-tokenizer files), or fetches one from the Hub with `huggingface_hub` (`pip install -e ".[hub]"`;
+`import_checkpoint` reads a directory in the Hugging Face layout (config.json, safetensors weights,
+the tokenizer files), or fetches one from the Hub with `huggingface_hub` (`pip install -e ".[hub]"`;
 `--revision` pins a commit, HF_HUB_OFFLINE=1 and the cache variables are honoured), and writes an
-ordinary run directory: config.json, a checkpoint at step 0 holding the weights (no optimizer
-state: `python -m minigpt.train --init-from RUN` starts a new run from them), the tokenizer. The
-model config comes from the checkpoint's config.json (`GPT2LMHeadModel` -> `gpt2`,
-`LlamaForCausalLM` -> `llama`, `Qwen3ForCausalLM` -> `llama` with `qk_norm`); a field the
-architecture does not implement is refused, naming it, before anything is written.
+ordinary run directory: config.json, a checkpoint at step 0 holding the weights (no optimizer state:
+`python -m minigpt.train --init-from RUN` starts a new run from them), the tokenizer. The model
+config comes from the checkpoint's config.json (`GPT2LMHeadModel` -> `gpt2`, `LlamaForCausalLM` ->
+`llama`, `Qwen3ForCausalLM` -> `llama` with `qk_norm`); a field the architecture does not implement
+is refused, naming it, before anything is written.
 
 Each parameter goes from the memory-mapped file straight into the preset's sharding: a device
 receives only its shard, read from the file when that device's piece is asked for, so the host
@@ -19,22 +15,18 @@ holds about one tensor beyond the memory map whatever the preset; in a multi-pro
 process reads only what its own devices hold. Parameters are float32 in minigpt; float16 and
 bfloat16 files are converted as they are read.
 
-`export` writes what `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads: config.json,
-float32 safetensors (several files and an index above `--max-file-size`) without the vocabulary's
-padding rows, and the tokenizer (`tokenizer.json` and its config; GPT-2's `vocab.json` and
-`merges.txt`). Exporting then importing gives back the same parameters, bit for bit.
-"""
+`export_run` writes what `transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads:
+config.json, float32 safetensors (several files and an index above `--max-file-size`) without the
+vocabulary's padding rows, and the tokenizer (`tokenizer.json` and its config; GPT-2's `vocab.json`
+and `merges.txt`). Exporting then importing gives back the same parameters, bit for bit."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import shutil
-import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +34,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from minigpt import hf_tokenizer, hf_tokenizer_export, sharding
-from minigpt.checkpoint import Checkpointer, CheckpointError, key_names
-from minigpt.config import ConfigError, ModelConfig, load_run_config, save_run_config
+from minigpt import sharding
+from minigpt.checkpoint import Checkpointer, key_names
+from minigpt.config import ModelConfig
 from minigpt.files import sha256, write_text_atomic
-from minigpt.generate import GenerationError, load_for_generation
-from minigpt.hf_models import (
+from minigpt.hub import tokenizer_export, tokenizer_files
+from minigpt.hub.architectures import (
     IGNORED_SUFFIXES,
     TENSORS,
     HubError,
@@ -57,17 +49,16 @@ from minigpt.hf_models import (
     to_hf,
     to_ours,
 )
+from minigpt.hub.safetensors import Checkpoint, WeightsError
+from minigpt.hub.safetensors import save as save_weights
 from minigpt.models import build_model, count_params
-from minigpt.runtime import log, set_simulated_devices
+from minigpt.runs import LOAD_ERRORS, VOCABULARY, RunDir, load_run
 from minigpt.tokenizer import TokenizerError, load_tokenizer
-from minigpt.weights import Checkpoint, WeightsError
-from minigpt.weights import save as save_weights
 
 # What a Hub download fetches: the config, the weights, the tokenizer files.
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
              "vocab.json", "merges.txt", "tokenizer.model"]
-RUN_TOKENIZER = "vocabulary.tiktoken"  # a converted tokenizer's name inside a run directory
 READABLE = (np.float32, np.float16, "bfloat16")
 
 
@@ -228,7 +219,7 @@ def import_tokenizer(directory: Path, cfg: ModelConfig, out: Path, source: str) 
             "its runtime tokenizer is tiktoken, which needs byte-level BPE)" if sentencepiece
             else ""))
     try:
-        vocab = hf_tokenizer.ranks_from_tokenizer_json(path)
+        vocab = tokenizer_files.ranks_from_tokenizer_json(path)
     except TokenizerError as error:
         raise HubError(str(error)) from None
     if cfg.arch == "gpt2" and _is_gpt2_vocabulary(vocab):
@@ -237,10 +228,10 @@ def import_tokenizer(directory: Path, cfg: ModelConfig, out: Path, source: str) 
     if n_vocab > cfg.vocab_size:
         raise HubError(f"{path} has {n_vocab:,} tokens but the model's vocabulary is "
                        f"{cfg.vocab_size:,}: the checkpoint and its tokenizer disagree")
-    hf_tokenizer.save_as_tiktoken(vocab, out / RUN_TOKENIZER,
+    tokenizer_files.save_as_tiktoken(vocab, out / VOCABULARY,
                                   {"source": source, "file": "tokenizer.json",
                                    "sha256": sha256(path)})
-    return RUN_TOKENIZER
+    return VOCABULARY
 
 
 def _is_gpt2_vocabulary(vocab) -> bool:
@@ -248,7 +239,7 @@ def _is_gpt2_vocabulary(vocab) -> bool:
         gpt2 = load_tokenizer("gpt2")
     except TokenizerError:
         return False
-    return vocab.ranks == gpt2._mergeable_ranks and vocab.special_tokens == gpt2._special_tokens
+    return vocab.ranks == gpt2.ranks and vocab.special_tokens == gpt2.special_tokens
 
 
 @contextlib.contextmanager
@@ -291,8 +282,9 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
         record = {"source": source, "revision": revision, "directory": str(directory),
                   "architecture": (hf.get("architectures") or [None])[0],
                   "weights_dtype": str(weights.dtype)}
-        save_run_config(staging / "config.json", cfg, None, imported=record)
-        checkpointer = Checkpointer(staging / "checkpoints", async_save=False)
+        run = RunDir(staging)
+        run.write(cfg, None, imported=record)
+        checkpointer = Checkpointer(run.checkpoints, async_save=False)
         checkpointer.save(0, model, None, data_state={}, rng=jax.random.key(0))
         checkpointer.wait()
         checkpointer.close()
@@ -328,70 +320,26 @@ def export_run(run: str | Path, out: str | Path, *, max_file_bytes: int = 2 * 2*
     """Write a run's latest weights as a Hugging Face model directory; returns a summary."""
     out = Path(out)
     try:
-        cfg = load_run_config(Path(run) / "config.json")["model"]
-    except ConfigError as error:
+        cfg = RunDir(run).read().model
+        enc = load_tokenizer(cfg.tokenizer)
+    except LOAD_ERRORS as error:
         raise HubError(str(error)) from None
-    enc = load_tokenizer(cfg.tokenizer)
-    specials = enc._special_tokens
+    specials = enc.special_tokens
     eos = specials.get("<|endoftext|>", specials.get("<|im_end|>"))
     eos_token = next((t for t, i in specials.items() if i == eos), None)
     config = hf_config(cfg, eos=eos, bos=eos if cfg.arch == "gpt2" else None)
     try:
-        model, _, _, _, step = load_for_generation(run, "dp")
-    except (GenerationError, CheckpointError) as error:
+        loaded = load_run(run, "dp")
+    except LOAD_ERRORS as error:
         raise HubError(str(error)) from None
-    tensors = hf_tensors(model, cfg)
+    tensors = hf_tensors(loaded.model, cfg)
     with _new_directory(out) as staging:
         files = save_weights(tensors, staging, max_file_bytes=max_file_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
         write_text_atomic(staging / "generation_config.json", json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": eos}, indent=2) + "\n")
-        hf_tokenizer_export.write_hf_tokenizer(enc, staging, model_max_length=cfg.context_len,
+        tokenizer_export.write_hf_tokenizer(enc, staging, model_max_length=cfg.context_len,
                                         eos_token=eos_token,
                                         bos_token=eos_token if cfg.arch == "gpt2" else None)
-    return {"out": out, "step": step, "files": [out / f.name for f in files],
+    return {"out": out, "step": loaded.step, "files": [out / f.name for f in files],
             "bytes": sum(t.nbytes for t in tensors.values())}
-
-
-# --- the command line -----------------------------------------------------------------------
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minigpt.hub",
-                                     description="Hugging Face checkpoints in and out.")
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    imp = verbs.add_parser("import", help="a Hugging Face checkpoint -> a minigpt run")
-    imp.add_argument("source", help="a local Hugging Face model directory or a Hub id "
-                                    "(openai-community/gpt2, HuggingFaceTB/SmolLM2-135M)")
-    imp.add_argument("--out", required=True, help="the new run directory")
-    imp.add_argument("--preset", default="dp", help="how to lay the weights out while loading")
-    imp.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
-    imp.add_argument("--revision", help="a Hub branch, tag or commit to pin")
-    exp = verbs.add_parser("export", help="a minigpt run -> a Hugging Face model directory")
-    exp.add_argument("--run", required=True, help="the run directory to export")
-    exp.add_argument("--out", required=True, help="the directory to write")
-    exp.add_argument("--max-file-size", type=float, default=2.0,
-                     help="GiB per safetensors file before it is split (default 2)")
-    args = parser.parse_args(argv)
-    if getattr(args, "devices", 0):
-        set_simulated_devices(args.devices)
-    try:
-        if args.verb == "import":
-            summary = import_checkpoint(args.source, args.out, preset_name=args.preset,
-                                        revision=args.revision)
-            cfg = summary["config"]
-            log(f"imported {args.source} ({cfg.arch}, {summary['params']:,} parameters, "
-                f"tokenizer {cfg.tokenizer}) into {summary['out']}; tell a story with: "
-                f"python -m minigpt.generate --run {summary['out']}")
-        else:
-            summary = export_run(args.run, args.out,
-                                 max_file_bytes=int(args.max_file_size * 2**30))
-            log(f"exported {args.run} (step {summary['step']}, "
-                f"{summary['bytes'] / 2**20:,.1f} MiB of float32 weights) to {summary['out']}")
-    except (HubError, ConfigError, sharding.PresetError, TokenizerError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

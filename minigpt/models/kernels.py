@@ -12,8 +12,8 @@ is tuned for XLA's CPU backend, where profiles of the step showed costs plain co
 - SwiGLU's gated layer, left to autodiff, wrote its hidden gradient transposed for the weight
   gradients, a strided copy dearer than the matmuls at a small width;
 - the cross-entropy over a 50k vocabulary dominates a small model's step; a fused, chunked pass
-  (`minigpt.loss.fused_cross_entropy`) never stores the [B, T, V] logits and forms each chunk's
-  gradient while its logits are at hand.
+  (`minigpt.models.loss.fused_cross_entropy`) never stores the [B, T, V] logits and forms each
+  chunk's gradient while its logits are at hand.
 
 `ModelConfig.kernels` chooses: "reference", "cpu", or "auto" (the default: "cpu" on the CPU
 backend, "reference" elsewhere). A model puts its choice in the context its code runs in
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from minigpt import sharding
-from minigpt.loss import cross_entropy, fused_cross_entropy
+from minigpt.models.loss import cross_entropy, fused_cross_entropy
 
 
 def resolve(choice: str) -> str:

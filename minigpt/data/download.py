@@ -10,18 +10,21 @@ mirror or a test server, with `MINIGPT_HF_BASE` or the `base_url` argument.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import http.client
 import os
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from tqdm import tqdm
 
 from minigpt import files
-from minigpt.token_files import DataError
+from minigpt.data.token_files import DataError
 
 HF_BASE = "https://huggingface.co"
 HF_REPO = "roneneldan/TinyStories"
@@ -149,6 +152,10 @@ def download_file(url: str, dest: str | Path, *, size: int | None = None,
             last_error = f"HTTP {error.code} {error.reason}"
         except (OSError, http.client.HTTPException) as error:
             last_error = f"{type(error).__name__}: {error}"
+            if not part.have and _unreachable(error):  # retrying would only wait
+                raise DataError(f"cannot reach {urllib.parse.urlsplit(url).netloc} ({last_error})"
+                                f": check the network (or MINIGPT_HF_BASE), or give local "
+                                f"text files with --data FILE...") from error
         if attempt + 1 < attempts:
             time.sleep(retry_wait * 2**attempt)
     else:
@@ -158,6 +165,14 @@ def download_file(url: str, dest: str | Path, *, size: int | None = None,
         raise DataError(f"downloading {url} failed after {attempts} attempts ({last_error}); "
                         f"{advice}")
     return _accept(part, dest, url, size, sha256)
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether the host cannot be reached at all (its name does not resolve, or nothing listens
+    or routes there), as opposed to a transfer that failed midway and may succeed on retry."""
+    reason = getattr(error, "reason", error)  # urllib wraps the socket's error in a URLError
+    return isinstance(reason, socket.gaierror | ConnectionRefusedError) or (
+        isinstance(reason, OSError) and reason.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH))
 
 
 def _fetch_once(url: str, part: _Part, size: int | None, name: str, timeout: float,

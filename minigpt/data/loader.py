@@ -18,7 +18,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from minigpt.token_files import DataError, open_split
+from minigpt.data.token_files import DataError, open_split
 
 
 class _ReadRows:

@@ -1,9 +1,13 @@
-"""Data preparation: prepared token files found or made by name, and `python -m minigpt.data`.
+"""Data: prepared token files found or made by name, and `python -m minigpt.data`.
 
-`resolve_data("tinystories")` downloads (`minigpt.download`) and tokenizes (`minigpt.pretokenize`)
-the dataset on first use and returns its directory; local text files are prepared the same way; a
-directory already holding meta.json is used as it is. The format of what lands on disk is
-`minigpt.token_files`; reading it in batches is `minigpt.loader`.
+The package's modules, in the order data flows: `download` (the TinyStories files, resumable and
+verified), `stories` (how a text file splits into stories), `prepare` (stories to token files),
+`token_files` (the prepared format and its meta.json), `loader` (Grain batches for training) and
+`vocabulary` (training a new BPE vocabulary on stories).
+
+`resolve_data("tinystories")` downloads and tokenizes the dataset on first use and returns its
+directory; local text files are prepared the same way; a directory already holding meta.json is
+used as it is.
 
     python -m minigpt.data prepare --dataset tinystories [--version v1|v2] [--out data/]
     python -m minigpt.data prepare --text FILE... [--val-fraction 0.1] [--out data/]
@@ -20,16 +24,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from minigpt import download, pretokenize
+from minigpt.config import ConfigError
+from minigpt.data import download, prepare
+from minigpt.data.token_files import DataError, load_meta
+from minigpt.data.vocabulary import train_tokenizer
 from minigpt.files import sha256
-from minigpt.token_files import DataError, load_meta
 from minigpt.tokenizer import (
     DEFAULT_TOKENIZER,
     TokenizerError,
     load_tokenizer,
     ranks_file,
     shipped_tokenizers,
-    train_tokenizer,
 )
 
 DATASETS = {"tinystories": "v1", "tinystories-v1": "v1", "tinystories-v2": "v2"}
@@ -62,7 +67,7 @@ def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
     files = download.TINYSTORIES_FILES[version]
     sources = [(text_dir / files["train"], "train"), (text_dir / files["val"], "val")]
     expected = {"dataset.revision": revision, "tokenizer": tokenizer}
-    if pretokenize.is_current(out, expected, sources, allow_deleted=True):
+    if prepare.is_current(out, expected, sources, allow_deleted=True):
         return out
     urls = {split: download.hf_url(name, revision=revision, base_url=base_url)
             for split, name in files.items()}
@@ -70,7 +75,7 @@ def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
         size, sha256 = download.expected_file(name, revision)
         download.download_file(urls[split], text_dir / name, size=size, sha256=sha256,
                                progress=progress)
-    pretokenize.prepare(
+    prepare.prepare(
         out, [text_dir / files["train"]], val_files=[text_dir / files["val"]], complete=True,
         tokenizer=tokenizer,
         dataset={"name": "tinystories", "version": version, "repo": download.HF_REPO,
@@ -88,8 +93,8 @@ def prepare_text(files: Sequence[str | Path], root: str | Path = "data", *,
     for path in paths:
         combined.update(bytes.fromhex(sha256(path)))
     out = Path(root) / f"text-{combined.hexdigest()[:12]}{_tokenizer_suffix(tokenizer)}"
-    pretokenize.prepare(out, paths, progress=progress, tokenizer=tokenizer,
-                        val_fraction=(pretokenize.DEFAULT_VAL_FRACTION if val_fraction is None
+    prepare.prepare(out, paths, progress=progress, tokenizer=tokenizer,
+                        val_fraction=(prepare.DEFAULT_VAL_FRACTION if val_fraction is None
                                       else val_fraction),
                         dataset={"name": "text", "files": [str(p.resolve()) for p in paths]})
     return out
@@ -128,6 +133,21 @@ def resolve_data(data: str | Sequence[str], root: str | Path = "data",
                             f"--tokenizer {used})")
         return Path(items[0])
     return prepare_text(items, root, tokenizer=tokenizer or DEFAULT_TOKENIZER)
+
+
+def check_tokenizer(data_dir: str | Path, model_cfg, model_name: str) -> dict:
+    """The meta.json of prepared data a model is to train on, refused (ConfigError) unless the
+    data is in the model's tokenizer. A model's vocabulary may have rows its tokenizer never
+    uses (imported checkpoints often do), so the tokenizer, not the vocabulary size, decides."""
+    meta = load_meta(data_dir)
+    if meta["vocab_size"] != load_tokenizer(model_cfg.tokenizer).n_vocab:
+        raise ConfigError(
+            f"{data_dir} was tokenized with {meta['tokenizer']!r} ({meta['vocab_size']:,} "
+            f"tokens), but model {model_name!r} has a vocabulary of "
+            f"{model_cfg.vocab_size:,} ({model_cfg.tokenizer!r}): give the text or dataset "
+            f"name so it is prepared with the model's tokenizer, or pass --tokenizer "
+            f"{meta['tokenizer']} to train a model with that one")
+    return meta
 
 
 def prepare_in_job(data: Sequence[str], root: str | Path, tokenizer: str) -> Path:
@@ -201,7 +221,3 @@ def _train_command(args: argparse.Namespace) -> int:
     print(f"{args.out}: {provenance['vocab_size']:,} tokens; {text_bytes / tokens:.2f} bytes "
           f"per token on the training text; provenance in {Path(args.out).with_suffix('.json')}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,8 +2,8 @@
 
 A recipe names a zoo model (with optional field changes) and the training settings that suit it;
 `python -m minigpt.train --recipe NAME` applies it and command-line flags override it
-(`minigpt.cli`). Every field is checked against `ModelConfig` and `TrainConfig` when it is read.
-"""
+(`minigpt.train.cli`). Every field is checked against `ModelConfig` and `TrainConfig` when it is
+read."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_duration, read_named_toml
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,10 @@
 A new run starts from the defaults, then the recipe (if any), then the flags, then `--set`.
 
 A resumed run (`--resume`) starts from what its config.json saved. The command line may be the
-one that started the run with `--resume` added (people press the up arrow): everything it says
-about *what the run is* (the model with its `--set` changes, the recipe, the tokenizer, the data,
-the seed) is resolved as for a new run and must agree with the saved run; a real difference is
-refused, naming the fields. What it says about *how to go on* (steps, learning rate, preset,
-evaluation and checkpoint intervals, how the model runs: dtype, remat, scan, kernels) applies.
-A time budget already turned into a step count is not asked for again.
+one that started the run with `--resume` added (people press the up arrow): what it says about
+*what the run is* is resolved as for a new run and checked against the saved run, and what it
+says about *how to go on* applies (the rules are `minigpt.runs.resume_configs`). A run trained
+on simulated devices resumes on as many unless `--devices` says otherwise.
 """
 
 from __future__ import annotations
@@ -27,23 +25,20 @@ from minigpt.config import (
     ConfigError,
     ModelConfig,
     TrainConfig,
-    load_run_config,
     parse_duration,
     parse_overrides,
 )
-from minigpt.lock import RunLocked
-from minigpt.metrics import TrainingDiverged
+from minigpt.data.token_files import DataError
 from minigpt.models import get_config
-from minigpt.recipes import load_recipe
+from minigpt.runs import RunDir, RunError, resume_configs
 from minigpt.sharding import PresetError
-from minigpt.token_files import DataError
 from minigpt.tokenizer import TokenizerError, load_tokenizer
+from minigpt.train.lock import RunLocked
+from minigpt.train.metrics import TrainingDiverged
+from minigpt.train.recipes import load_recipe
 
 # What a user can cause, reported in one line with exit status 2 (3: training diverged).
 USER_ERRORS = (ConfigError, PresetError, CheckpointError, DataError, TokenizerError, RunLocked)
-
-# Train fields that say which run this is: a resumed run keeps them.
-IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from", "optimizer")
 
 # Model fields a run started from another run's weights (--init-from) may change: how the model
 # runs, and its dropout.
@@ -56,6 +51,9 @@ FLAG_FIELDS = {"preset": "preset", "data": "data", "steps": "steps", "batch_size
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags; each help text names the default a new run gets (the config's, or the
+    recipe's when one is given; a resumed run keeps its own)."""
+    d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m minigpt.train",
                                 description="Train a model of the zoo under a parallelism preset.")
     p.add_argument("--recipe", help="a named way to train (a file in recipes/, e.g. "
@@ -65,18 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train for this long (e.g. 10m, 90s, 1h; compilation included) with "
                         "the learning-rate schedule fitted to it, instead of --steps")
     p.add_argument("--tokenizer", help="gpt2, a shipped vocabulary (tinystories-4k) or a "
-                                       ".tiktoken file; sets the model's vocabulary to match")
-    p.add_argument("--preset", help="parallelism preset: a name in presets/ or a .toml path "
-                                    "(default fsdp)")
-    p.add_argument("--model", help="model name from the zoo (default minigpt)")
-    p.add_argument("--data", nargs="+", help="'tinystories', 'tinystories-v2' or text files")
-    p.add_argument("--steps", type=int, help="train to this step (on --resume: a new end, see "
-                                             "the README)")
-    p.add_argument("--batch-size", type=int, help="global batch in sequences")
+                                       ".tiktoken file; sets the model's vocabulary to match "
+                                       "(default: the model's own)")
+    p.add_argument("--preset", help=f"parallelism preset: a name in presets/ or a .toml path "
+                                    f"(default {d.preset})")
+    p.add_argument("--model", help=f"model name from the zoo (default {d.model})")
+    p.add_argument("--data", nargs="+", help=f"'tinystories', 'tinystories-v2' or text files "
+                                             f"(default {d.data[0]})")
+    p.add_argument("--steps", type=int, help=f"train to this step (default {d.steps}; on "
+                                             f"--resume: a new end, see docs/training.md)")
+    p.add_argument("--batch-size", type=int, help=f"global batch in sequences "
+                                                  f"(default {d.batch_size})")
     p.add_argument("--seq-len", type=int, help="training context (default: the model's)")
-    p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--out", help="run directory (default runs/default)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr:g})")
+    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    p.add_argument("--out", help=f"run directory (default {d.out})")
     p.add_argument("--init-from", metavar="RUN",
                    help="start a new run from RUN's latest weights (trained here, or imported "
                         "with python -m minigpt.hub): its model and tokenizer, a fresh "
@@ -84,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint "
                                                          "(the flags that started it may stay)")
     p.add_argument("--devices", type=int, default=0,
-                   help="simulate this many CPU devices (try any preset on a laptop)")
-    p.add_argument("--eval-every", type=int)
-    p.add_argument("--save-every", type=int)
+                   help="simulate this many CPU devices, to try any preset on a laptop "
+                        "(default: the devices present; a resumed run: as many as it was "
+                        "trained on)")
+    p.add_argument("--eval-every", type=int, help=f"(default {d.eval_every})")
+    p.add_argument("--save-every", type=int, help=f"(default {d.save_every})")
     p.add_argument("--no-sample", action="store_true",
                    help="do not tell a sample story at the end")
     p.add_argument("--profile-steps", help="'a:b': write a profiler trace of steps a..b-1 "
@@ -164,99 +167,79 @@ def recipe_configs(name_or_path: str, model: str | None = None,
 def _started_from(args: argparse.Namespace, given: dict[str, Any],
                   changes: dict[str, dict[str, Any]]) -> tuple[ModelConfig, TrainConfig]:
     """A new run whose model (and tokenizer) is that of the run it starts from."""
-    source = Path(args.init_from)
-    saved = load_run_config(source / "config.json")
+    source = RunDir(args.init_from)
+    saved = source.read()
     for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
         if value:
-            raise ConfigError(f"--init-from takes the model and tokenizer of {source}: drop "
+            raise ConfigError(f"--init-from takes the model and tokenizer of {source.path}: drop "
                               f"{flag}")
     fixed = sorted(set(changes["model"]) - set(INIT_FROM_FIELDS))
     if fixed:
-        raise ConfigError(f"--init-from keeps the model of {source}: only "
+        raise ConfigError(f"--init-from keeps the model of {source.path}: only "
                           f"{', '.join(INIT_FROM_FIELDS)} may change (not {', '.join(fixed)})")
-    name = (saved.get("train") or {}).get("model") or saved.get("imported", {}).get(
-        "source", str(source))
+    name = saved.train.model if saved.train else (saved.imported or {}).get(
+        "source", str(source.path))
     train_fields = dict(load_recipe(args.recipe).train_fields, recipe=load_recipe(
         args.recipe).name) if args.recipe else {}
-    model_cfg = dataclasses.replace(saved["model"], **changes["model"])
+    model_cfg = dataclasses.replace(saved.model, **changes["model"])
     train_cfg = TrainConfig(**{**train_fields, **given, "model": name})
     return model_cfg, dataclasses.replace(train_cfg, **changes["train"])
 
 
 def _resumed(args: argparse.Namespace, given: dict[str, Any],
              changes: dict[str, dict[str, Any]]) -> tuple[ModelConfig, TrainConfig]:
-    out = Path(args.out or TrainConfig.out)
-    saved = load_run_config(out / "config.json")
-    if "train" not in saved:
-        raise ConfigError(f"{out} holds imported weights, not a training run: start training "
-                          f"from them with --init-from {out} --out NEW")
-    saved_model = saved["model"]
-    saved_train = TrainConfig(**{**saved["train"], "data": tuple(saved["train"]["data"])})
+    run = RunDir(args.out or TrainConfig.out)
+    saved = run.read()
     # The model the command line names, resolved as a new run would resolve it; a command line
     # that names none names the saved one.
     says: dict[str, Any] = {}
+    wanted = None
     if args.recipe:
         recipe = load_recipe(args.recipe)
-        wanted, _ = recipe_configs(args.recipe, model=args.model)
         # The recipe names the run, but its training settings are the ones the run saved when
-        # it started: a recipe edited since (stories-cpu moved from AdamW to Muon, and to
-        # other rates) must not switch an optimizer whose state the checkpoints hold, or make
-        # the learning rate jump. Flags and --set still say how to go on. So with the shape
-        # its [model] table gives (stories-cpu went from 4 layers to 2): the checkpoints hold
-        # the shape the run started with.
+        # it started: a recipe edited since must not switch an optimizer whose state the
+        # checkpoints hold, or make the learning rate jump; nor change the shape its [model]
+        # table gives (stories-cpu went from 4 layers to 2 and 3): the checkpoints hold the
+        # shape the run started with. Flags and --set still say how to go on.
         says.update(recipe=recipe.name, model=args.model or recipe.model)
-        if says["model"] == saved_train.model:
-            wanted = saved_model
+        if saved.train is None or says["model"] != saved.train.model:
+            wanted = recipe_configs(args.recipe, model=args.model)[0]
     elif args.model:
         wanted = get_config(args.model)
         says["model"] = args.model
-    else:
-        wanted = saved_model
-    wanted = dataclasses.replace(_with_tokenizer(wanted, args.tokenizer), **changes["model"])
-    _refuse_differences(out, "model", {
-        f.name: (getattr(saved_model, f.name), getattr(wanted, f.name))
-        for f in dataclasses.fields(ModelConfig) if f.name not in EXECUTION_FIELDS})
-    says.update(given)
-    says.update(changes["train"])
-    _refuse_differences(out, "run", {name: (getattr(saved_train, name), says[name])
-                                     for name in IDENTITY_FIELDS if name in says})
-    _settle_time_budget(out, saved, saved_train, says)
-    model_cfg = dataclasses.replace(saved_model, **{
-        k: v for k, v in changes["model"].items() if k in EXECUTION_FIELDS})
-    return model_cfg, dataclasses.replace(saved_train, **says)
+    if args.tokenizer:
+        wanted = _with_tokenizer(wanted or saved.model, args.tokenizer)
+    return resume_configs(run, wanted, {**says, **given, **changes["train"]}, changes["model"])
 
 
-def _refuse_differences(out: Path, what: str, pairs: dict[str, tuple[Any, Any]]) -> None:
-    differing = {name: pair for name, pair in pairs.items() if pair[0] != pair[1]}
-    if differing:
-        details = ", ".join(f"{name}: {old!r} -> {new!r}"
-                            for name, (old, new) in differing.items())
-        raise ConfigError(f"cannot resume {out} as a different {what} ({details}); drop those "
-                          f"options or train into a new --out")
-
-
-def _settle_time_budget(out: Path, saved: dict[str, Any], saved_train: TrainConfig,
-                        says: dict[str, Any]) -> None:
-    """A budget the saved run already turned into steps is the same budget, not a new one."""
-    budget = says.get("time_budget")
-    if not budget or saved_train.time_budget:  # none asked, or not yet decided: as given
+def _set_devices(args: argparse.Namespace) -> None:
+    """Simulate --devices CPU devices; a resumed run given none gets as many as it was trained
+    on, and says so (unless JAX already runs: `train` called from Python keeps its devices)."""
+    if args.devices or not args.resume:
+        if args.devices:
+            runtime.set_simulated_devices(args.devices)
         return
-    record = saved.get("time_budget") or {}
-    if record.get("seconds") == budget:
-        del says["time_budget"]
+    out = Path(args.out or TrainConfig.out)
+    try:
+        used = RunDir(out).read().record.get("devices") or {}
+    except RunError:
+        return  # the resume itself says what is wrong
+    # Several CPU devices in one process can only have been simulated.
+    if used.get("platform") != "cpu" or used.get("processes") != 1 or used.get("count", 1) < 2:
         return
-    decided = (f"trained under a time budget of {record['seconds']:g} s, which fixed it at "
-               f"{saved_train.steps} steps" if record else "trained without a time budget")
-    raise ConfigError(f"{out} was {decided}: to train it further give --steps N instead of "
-                      f"--time-budget")
+    try:
+        runtime.set_simulated_devices(used["count"])
+    except RuntimeError:
+        return
+    print(f"resuming {out} on {used['count']} simulated CPU devices, as it was trained "
+          f"(--devices N for another count)", file=sys.stderr, flush=True)
 
 
 def run(argv: Sequence[str] | None, train: Callable[..., dict[str, Any]]) -> int:
     """Parse the command line, set up the devices (and the job), resolve the configs and call
     `train` (`minigpt.train.train`); a user's error is one line on stderr and a nonzero exit."""
     args = build_parser().parse_args(argv)
-    if args.devices:
-        runtime.set_simulated_devices(args.devices)
+    _set_devices(args)
     if args.distributed or any(v is not None for v in (
             args.coordinator, args.num_processes, args.process_id)):
         runtime.join_job(args.coordinator, args.num_processes, args.process_id)

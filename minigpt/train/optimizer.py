@@ -1,9 +1,10 @@
-"""The compiled steps: loss, one optimizer step, evaluation; and the optimizer itself.
+"""The optimizer: AdamW, or Muon for the blocks' weight matrices with AdamW for the rest.
 
-Steps are functions of their arguments alone. Randomness arrives as a key: the dropout key of a
-step is the run's key folded with the optimizer's step count, so a resumed run draws exactly the
-masks the uninterrupted run would have drawn. A step reads nothing from the host and returns
-its metrics as device scalars; the trainer decides when to look at them.
+Which parameters decay and how Muon sees each as a matrix go by the names the layers give them
+(`minigpt.models.layers`: every weight matrix is a `kernel`, every lookup table a `table`).
+The learning rate is not part of the optimizer: each update receives the run's `LRSchedule`
+(`minigpt.train.lr_schedule`) as numbers, so a time budget or a resumed run that moves the
+schedule's end runs the same compiled step.
 """
 
 from __future__ import annotations
@@ -14,15 +15,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
-from minigpt import kernels, pipeline, sharding
 from minigpt.config import TrainConfig
-from minigpt.models import DecoderLM
-from minigpt.models.layers import DECAYED_PARAMETERS, OUTPUT_PROJECTIONS, row_keys
-from minigpt.schedule import LRSchedule
+from minigpt.models.layers import DECAYED_PARAMETERS, OUTPUT_PROJECTIONS
+from minigpt.train.lr_schedule import LRSchedule
 
 
 def _names(path: tuple) -> list[str]:
@@ -192,65 +190,3 @@ def scale_by_shape() -> optax.GradientTransformation:
         return jax.tree_util.tree_map_with_path(scale, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],
-            dropout_keys: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each), with
-    dropout when keys (one per row) are given. Under a pipeline preset the model runs as the
-    context's pipeline schedule says."""
-    if sharding.active_ways("layers") > 1:
-        return model.pipelined_loss(batch, dropout_keys)
-    x = model.features(batch["inputs"], dropout_key=dropout_keys)  # [B, T, D]
-    return kernels.get(model.config.kernels).cross_entropy(model, x, batch["targets"])
-
-
-def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int):
-    if microbatches == 1:
-        return nnx.value_and_grad(loss_fn)(model, batch, keys)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def accumulate(carry, micro):
-        micro_batch, micro_keys = micro
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(nnx.merge(graphdef, p, rest), micro_batch, micro_keys))(params)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-    # Each microbatch takes its rows' keys along, so accumulation draws the masks one big batch
-    # would have drawn.
-    micros = jax.tree.map(lambda x: pipeline.split_microbatches(x, microbatches), (batch, keys))
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(accumulate, zeros, micros)
-    return jax.tree.map(lambda x: x / microbatches, (loss, grads))
-
-
-@sharding.jit(static_argnames=("microbatches",), donate_argnames=("model", "optimizer"))
-def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.Array],
-               rng: jax.Array, schedule: LRSchedule, *,
-               microbatches: int = 1) -> dict[str, jax.Array]:
-    """One optimizer step on a global batch at the learning rate `schedule` gives this step,
-    accumulated over `microbatches` inside the step (under a pipeline preset each of them runs
-    through the stages as the context's pipeline settings say).
-
-    Row r of the batch draws its dropout masks from fold_in(fold_in(rng, step), r), whatever
-    the preset, accumulation or pipeline, so all of them compute the same step.
-    """
-    step = optimizer.step[...]
-    keys = None
-    if model.config.dropout > 0:
-        keys = row_keys(jax.random.fold_in(rng, step), batch["inputs"].shape[0])
-    loss, grads = _loss_and_grads(model, batch, keys, microbatches)
-    optimizer.update(model, grads, schedule=schedule)
-    return {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
-
-
-@sharding.jit
-def eval_step(model: DecoderLM, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean loss on a batch, without dropout."""
-    return loss_fn(model, batch)
-
-
-def mean_loss(model: DecoderLM, batches) -> float:
-    """The mean of `eval_step` over an iterable of placed batches, read back once at the end."""
-    losses = [eval_step(model, batch) for batch in batches]
-    return float(np.mean(jax.device_get(losses)))

@@ -1,4 +1,5 @@
-"""minigpt's tokenizers as Hugging Face tokenizer files: the export half of `minigpt.hf_tokenizer`.
+"""minigpt's tokenizers as Hugging Face tokenizer files: the export half of
+`minigpt.hub.tokenizer_files`.
 
 A tiktoken encoding becomes a `tokenizer.json` that Hugging Face `tokenizers` loads and that
 encodes as the encoding does: the merges are recovered from the ranks (for each token, BPE run on
@@ -14,11 +15,9 @@ import functools
 import json
 from pathlib import Path
 
-import tiktoken
-
 from minigpt.files import write_text_atomic
-from minigpt.hf_tokenizer import bpe, token_str
-from minigpt.tokenizer import EOT, TokenizerError
+from minigpt.hub.tokenizer_files import bpe, token_str
+from minigpt.tokenizer import EOT, Encoding, TokenizerError
 
 
 def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
@@ -41,10 +40,10 @@ def _rank_below(ranks: dict[bytes, int], limit: int, left: bytes, right: bytes) 
     return rank if rank < limit else None
 
 
-def tokenizer_json_from_encoding(enc: tiktoken.Encoding) -> dict:
+def tokenizer_json_from_encoding(enc: Encoding) -> dict:
     """A `tokenizer.json` that Hugging Face `tokenizers` loads and that encodes and decodes as
     `enc` does (with every special token allowed)."""
-    ranks, specials = enc._mergeable_ranks, enc._special_tokens
+    ranks, specials = enc.ranks, enc.special_tokens
     vocab = {token_str(token): rank for token, rank in ranks.items()}
     clash = [s for s in specials if s in vocab]
     if clash:
@@ -57,7 +56,7 @@ def tokenizer_json_from_encoding(enc: tiktoken.Encoding) -> dict:
              for s, i in sorted(specials.items(), key=lambda item: item[1])]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": False}
-    split = {"type": "Split", "pattern": {"Regex": enc._pat_str}, "behavior": "Isolated",
+    split = {"type": "Split", "pattern": {"Regex": enc.pattern}, "behavior": "Isolated",
              "invert": False}
     return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
             "normalizer": None,
@@ -69,19 +68,19 @@ def tokenizer_json_from_encoding(enc: tiktoken.Encoding) -> dict:
                       "vocab": vocab, "merges": merges}}
 
 
-def write_hf_tokenizer(enc: tiktoken.Encoding, directory: str | Path, *, model_max_length: int,
+def write_hf_tokenizer(enc: Encoding, directory: str | Path, *, model_max_length: int,
                        eos_token: str | None = None, bos_token: str | None = None) -> Path:
     """Write the Hugging Face tokenizer files of `enc` into `directory`: tokenizer.json,
     tokenizer_config.json, special_tokens_map.json, and GPT-2's vocab.json and merges.txt.
     eos and bos default to `<|endoftext|>` where the encoding has it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    default = EOT if EOT in enc._special_tokens else None
+    default = EOT if EOT in enc.special_tokens else None
     roles = {"bos_token": bos_token or default, "eos_token": eos_token or default}
     for role, token in roles.items():
-        if token is not None and token not in enc._special_tokens:
+        if token is not None and token not in enc.special_tokens:
             raise TokenizerError(f"{role} {token!r} is not a special token of {enc.name} "
-                                 f"({', '.join(enc._special_tokens) or 'it has none'})")
+                                 f"({', '.join(enc.special_tokens) or 'it has none'})")
     roles = {role: token for role, token in roles.items() if token is not None}
     data = tokenizer_json_from_encoding(enc)
     # PreTrainedTokenizerFast builds everything from tokenizer.json; GPT2Tokenizer would

@@ -1,9 +1,8 @@
 """The learning-rate schedule: warm-up, an optional hold at the peak, a cosine to the floor.
 
 `lr_schedule(cfg)` reads it off a TrainConfig; the compiled train step receives it as numbers
-(`LRSchedule` is a pytree), so a time budget that moves its end (`minigpt.budget`) or a resumed
-run that changes its end (`continued`) runs the same compiled step.
-"""
+(`LRSchedule` is a pytree), so a time budget that moves its end (`minigpt.train.budget`) or a
+resumed run that changes its end (`continued`) runs the same compiled step."""
 
 from __future__ import annotations
 
@@ -74,7 +73,20 @@ def continued(saved: TrainConfig, wanted: TrainConfig, step: int) -> tuple[Train
         start, start_lr = step, rate
     cfg = dataclasses.replace(wanted, warmup_steps=warmup, decay_start=start,
                               decay_start_lr=start_lr)
+    first = ""  # a run still warming up, or holding its peak, goes on doing so first
+    if step < warmup:
+        first += f", warms up to {saved.lr:.3g} by step {warmup}"
+    if start > max(step, warmup):
+        first += f", holds at {saved.lr:.3g} until step {start}"
     return cfg, (f"the run now ends at step {cfg.steps} instead of {saved.steps}: the learning "
-                 f"rate goes on from {rate:.3g} (its value at step {step}) and decays by a "
-                 f"cosine from {start_lr:.3g} at step {start} to "
-                 f"{cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.steps}")
+                 f"rate goes on from {rate:.3g} (its value at step {step}){first} and "
+                 f"{'then ' if first else ''}"
+                 f"{_course(start_lr, cfg.lr * cfg.min_lr_ratio, start, cfg.steps)}")
+
+
+def _course(start_lr: float, floor: float, start: int, end: int) -> str:
+    """What a cosine from `start_lr` at step `start` to `floor` at step `end` does, in words."""
+    if math.isclose(start_lr, floor, rel_tol=1e-6):
+        return f"holds at {floor:.3g} until step {end}"
+    way = "decays" if floor < start_lr else "rises"
+    return f"{way} by a cosine from {start_lr:.3g} at step {start} to {floor:.3g} at step {end}"

@@ -31,7 +31,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-LOCK_NAME = "trainer.lock"
+from minigpt.runs import LOCK
+
+LOCK_NAME = LOCK  # trainer.lock, named by minigpt.runs
 HEARTBEAT = 10.0
 STALE_AFTER = 60.0
 

@@ -18,7 +18,7 @@ shape, and this module converts between the two:
   regex (Llama 3) is used as it is, with an alternative that keeps the text between its matches,
   which Hugging Face keeps and tiktoken would drop; `Digits` before ByteLevel (SmolLM2) makes
   GPT-2's pattern emit digits alone and end whitespace before a digit, as the digit split does.
-- **Export** is `minigpt.hf_tokenizer_export`, which shares the alphabet and `bpe` above.
+- **Export** is `minigpt.hub.tokenizer_export`, which shares the alphabet and `bpe` above.
 
 What tiktoken cannot express is refused with one line that names it: SentencePiece tokenizers
 (Llama 2, TinyLlama), WordPiece and Unigram models, normalizers, dropout, subword prefixes and
@@ -35,9 +35,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import tiktoken
-
-from minigpt.tokenizer import PATTERN, TokenizerError, write_ranks
+from minigpt.tokenizer import PATTERN, Encoding, TokenizerError, write_ranks
 
 BYTE_LEVEL_HINT = ("minigpt's runtime tokenizer is tiktoken, which needs byte-level BPE "
                    "(a ByteLevel pre-tokenizer, as GPT-2, SmolLM2 and Llama 3 have)")
@@ -60,11 +58,10 @@ class HFVocab:
     def vocab_size(self) -> int:
         return len(self.ranks) + len(self.special_tokens)
 
-    def encoding(self) -> tiktoken.Encoding:
+    def encoding(self) -> Encoding:
         try:
-            return tiktoken.Encoding(name=self.name, pat_str=self.pat_str,
-                                     mergeable_ranks=self.ranks,
-                                     special_tokens=self.special_tokens)
+            return Encoding(self.name, pattern=self.pat_str, ranks=self.ranks,
+                            special_tokens=self.special_tokens)
         except ValueError as error:  # the regex does not compile in tiktoken's engine
             raise TokenizerError(f"{self.name}: tiktoken refuses the split pattern "
                                  f"{self.pat_str!r}: {error}") from error
@@ -145,7 +142,7 @@ def ranks_from_tokenizer_json(path_or_dict: str | Path | dict, *,
     return HFVocab(name=name, ranks=ranks, special_tokens=specials, pat_str=pat_str)
 
 
-def load_hf_encoding(path: str | Path) -> tiktoken.Encoding:
+def load_hf_encoding(path: str | Path) -> Encoding:
     """The tiktoken encoding of a byte-level BPE `tokenizer.json` (or a directory holding one)."""
     return ranks_from_tokenizer_json(path).encoding()
 

@@ -4,8 +4,8 @@
 `qk_norm` (query and key norms; otherwise Llama's decoder): for each, how config.json maps to a
 `ModelConfig` (refusing, by name, what the architecture does not implement) and back, and which
 Hugging Face tensor each of our parameters is, with the transposes, splits and vocabulary padding
-between the two layouts. `minigpt.hub` moves the weights; this module only says where they go.
-"""
+between the two layouts. `minigpt.hub.convert` moves the weights; this module only says where they
+go."""
 
 from __future__ import annotations
 

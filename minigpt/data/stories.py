@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from minigpt.token_files import DataError
+from minigpt.data.token_files import DataError
 
 SEPARATOR = "<|endoftext|>"
 CHUNK_BYTES = 8 << 20  # about 10,000 TinyStories stories per encoder batch

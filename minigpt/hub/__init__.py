@@ -1,0 +1,13 @@
+"""Hugging Face checkpoints in and out: `python -m minigpt.hub import|export`.
+
+The package's modules: `convert` (a Hugging Face directory becomes a run, a run becomes a
+directory `transformers` loads), `architectures` (how each Hugging Face architecture's
+config.json and tensors map to minigpt's), `safetensors` (the weights files, memory-mapped),
+`tokenizer_files` and `tokenizer_export` (the tokenizer files) and `cli` (the command line).
+"""
+
+from minigpt.hub.architectures import HubError
+from minigpt.hub.cli import main
+from minigpt.hub.convert import export_run, import_checkpoint
+
+__all__ = ["HubError", "export_run", "import_checkpoint", "main"]

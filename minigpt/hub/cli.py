@@ -1,0 +1,52 @@
+"""`python -m minigpt.hub`: Hugging Face checkpoints in (`import`) and out (`export`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from minigpt import sharding
+from minigpt.config import ConfigError
+from minigpt.hub.architectures import HubError
+from minigpt.hub.convert import export_run, import_checkpoint
+from minigpt.runtime import log, set_simulated_devices
+from minigpt.tokenizer import TokenizerError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minigpt.hub",
+                                     description="Hugging Face checkpoints in and out.")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    imp = verbs.add_parser("import", help="a Hugging Face checkpoint -> a minigpt run")
+    imp.add_argument("source", help="a local Hugging Face model directory or a Hub id "
+                                    "(openai-community/gpt2, HuggingFaceTB/SmolLM2-135M)")
+    imp.add_argument("--out", required=True, help="the new run directory")
+    imp.add_argument("--preset", default="dp", help="how to lay the weights out while loading")
+    imp.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
+    imp.add_argument("--revision", help="a Hub branch, tag or commit to pin")
+    exp = verbs.add_parser("export", help="a minigpt run -> a Hugging Face model directory")
+    exp.add_argument("--run", required=True, help="the run directory to export")
+    exp.add_argument("--out", required=True, help="the directory to write")
+    exp.add_argument("--max-file-size", type=float, default=2.0,
+                     help="GiB per safetensors file before it is split (default 2)")
+    args = parser.parse_args(argv)
+    if getattr(args, "devices", 0):
+        set_simulated_devices(args.devices)
+    try:
+        if args.verb == "import":
+            summary = import_checkpoint(args.source, args.out, preset_name=args.preset,
+                                        revision=args.revision)
+            cfg = summary["config"]
+            log(f"imported {args.source} ({cfg.arch}, {summary['params']:,} parameters, "
+                f"tokenizer {cfg.tokenizer}) into {summary['out']}; tell a story with: "
+                f"python -m minigpt.generate --run {summary['out']}")
+        else:
+            summary = export_run(args.run, args.out,
+                                 max_file_bytes=int(args.max_file_size * 2**30))
+            log(f"exported {args.run} (step {summary['step']}, "
+                f"{summary['bytes'] / 2**20:,.1f} MiB of float32 weights) to {summary['out']}")
+    except (HubError, ConfigError, sharding.PresetError, TokenizerError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

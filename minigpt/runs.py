@@ -1,0 +1,298 @@
+"""A run directory: the one module that knows its files, its config and its latest weights.
+
+    <run>/config.json          what the run is: the model config (enough to rebuild the model),
+                               the training config, the preset, tokenizer and data it used
+    <run>/checkpoints/         Orbax checkpoints (`minigpt.checkpoint`)
+    <run>/metrics.jsonl        one JSON record per logged step (`minigpt.train.metrics`)
+    <run>/tensorboard/         the same as TensorBoard events, and profiler traces
+    <run>/loss.png             the loss curve, when the run ends
+    <run>/trainer.lock         while a trainer works on it (`minigpt.train.lock`)
+    <run>/damaged-checkpoints/ checkpoints a resume could not read, moved aside unchanged
+    <run>/vocabulary.tiktoken  an imported vocabulary, when the run has one
+
+`RunDir` names those paths and reads and writes config.json (`SavedRun`); `resume_configs`
+holds the rules for whether a command line may resume a run; `load_run` restores a run's latest
+weights for generation or export (`LoadedRun`). Problems with a run directory raise `RunError`,
+whose message says what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from minigpt import sharding
+from minigpt.checkpoint import Checkpointer, CheckpointError, has_checkpoint
+from minigpt.config import EXECUTION_FIELDS, ConfigError, ModelConfig, TrainConfig
+from minigpt.files import write_text_atomic
+from minigpt.models import DecoderLM, build_model
+from minigpt.tokenizer import Encoding, TokenizerError, load_tokenizer
+
+CONFIG = "config.json"
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+LOSS_PLOT = "loss.png"
+LOCK = "trainer.lock"
+DAMAGED = "damaged-checkpoints"
+VOCABULARY = "vocabulary.tiktoken"  # an imported vocabulary (converted by earlier versions)
+
+# Train fields that say which run this is: a resumed run keeps them.
+IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from", "optimizer")
+
+
+class RunError(ConfigError):
+    """A run directory is missing, damaged, or not what the request needs; the message says what
+    to do."""
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """What a run's config.json says: the model, the training config (None for imported weights,
+    which are not a training run yet) and the rest of the record (preset, tokenizer, data
+    directory, the time budget's decisions, where imported weights came from, ...)."""
+
+    model: ModelConfig
+    train: TrainConfig | None
+    record: dict[str, Any]
+
+    @property
+    def imported(self) -> dict[str, Any] | None:
+        return self.record.get("imported")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of a run directory, and its config.json."""
+
+    path: Path
+
+    def __init__(self, path: str | Path):
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / TENSORBOARD
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.path / LOSS_PLOT
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK
+
+    @property
+    def damaged(self) -> Path:
+        return self.path / DAMAGED
+
+    def has_checkpoints(self) -> bool:
+        """Whether checkpoints/ holds anything at all (complete or not)."""
+        return self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+
+    def read(self) -> SavedRun:
+        """config.json, checked and turned into configs; RunError if it is missing or damaged."""
+        path = self.config_file
+        try:
+            payload = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise RunError(f"{path} does not exist: is this a minigpt run directory?") from None
+        except (OSError, ValueError) as error:
+            raise RunError(f"{path} is not valid JSON ({error}); the run directory is "
+                           f"damaged") from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
+            raise RunError(f"{path} is not a minigpt run config (no model section)")
+        model = dict(payload.pop("model"))
+        # Runs from before models named their tokenizer recorded only the data's.
+        model.setdefault("tokenizer", payload.get("tokenizer", "gpt2"))
+        # A vocabulary file the run directory holds is named relative to it.
+        tokenizer = model["tokenizer"]
+        if isinstance(tokenizer, str) and tokenizer.endswith(".tiktoken") and \
+                not Path(tokenizer).is_absolute() and (self.path / tokenizer).is_file():
+            model["tokenizer"] = str((self.path / tokenizer).absolute())
+        train = payload.pop("train", None)
+        try:
+            model_cfg = _built(ModelConfig, model)
+            train_cfg = None if train is None else _built(TrainConfig, {
+                **train, **({"data": tuple(train["data"])} if "data" in train else {})})
+        except ConfigError as error:
+            raise RunError(f"{path}: {error}") from None
+        return SavedRun(model=model_cfg, train=train_cfg, record=payload)
+
+    def write(self, model: ModelConfig, train: TrainConfig | None, **record: Any) -> None:
+        """Write config.json atomically (a crash mid-write never leaves a broken run directory).
+
+        A tokenizer file inside the run directory (an imported vocabulary) is recorded by its
+        name there, so the run directory can move; `train` is None for imported weights."""
+        model_fields = dataclasses.asdict(model)
+        tokenizer = Path(model.tokenizer)
+        if tokenizer.suffix == ".tiktoken" and tokenizer.is_absolute() and \
+                tokenizer.parent == self.path.absolute():
+            model_fields["tokenizer"] = tokenizer.name
+        payload = {"model": model_fields,
+                   **({"train": dataclasses.asdict(train)} if train else {}), **record}
+        write_text_atomic(self.config_file, json.dumps(payload, indent=2) + "\n")
+
+
+def _built(cls, values: dict[str, Any]):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} fields {unknown}")
+    return cls(**values)
+
+
+def check_start(out: str | Path, *, resume: bool, init_from: str = "") -> None:
+    """Refuse a run that cannot start: a new one into a directory that already holds
+    checkpoints, or one started from a run (`init_from`) that holds none."""
+    if not resume and RunDir(out).has_checkpoints():
+        raise RunError(f"{out} already holds checkpoints: pass --resume to continue it, or "
+                       f"choose another --out")
+    if init_from and not resume and not has_checkpoint(RunDir(init_from).checkpoints):
+        raise RunError(f"--init-from {init_from}: it holds no checkpoint to start from")
+
+
+def keep_vocabulary(name: str, source_run: Path, run: Path) -> str:
+    """A run that starts from the weights of `source_run` keeps its own copy of the vocabulary
+    file that run holds (an imported tokenizer), so it does not depend on that directory; the
+    tokenizer name to use from now on (`name` itself for any other tokenizer)."""
+    path = Path(name)
+    if path.suffix != ".tiktoken" or path.parent != Path(source_run).absolute():
+        return name
+    run.mkdir(parents=True, exist_ok=True)
+    for file in (path, path.with_suffix(".json")):
+        if file.is_file():
+            shutil.copy2(file, run / file.name)
+    return str((run / path.name).absolute())
+
+
+# --- resuming -----------------------------------------------------------------------------
+
+def resume_configs(run: RunDir, wanted: ModelConfig | None, says: dict[str, Any],
+                   model_changes: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
+    """The configs a resumed run goes on with, after checking the command line against it.
+
+    `wanted` is the model the command line describes, resolved as for a new run (None: it names
+    none, so the saved one); `says` the train fields it gives; `model_changes` its `--set
+    model.*` changes. What the command line says the run *is* (the model, apart from how it runs:
+    dtype, remat, scan, kernels; and the identity fields: data, seed, recipe, init_from,
+    optimizer) must agree with the saved run, or RunError names the differences. What it says
+    about how to go on applies. A time budget the run already turned into a step count is the
+    same budget, not a new one.
+    """
+    saved = run.read()
+    if saved.train is None:
+        raise RunError(f"{run.path} holds imported weights, not a training run: start training "
+                       f"from them with --init-from {run.path} --out NEW")
+    wanted = dataclasses.replace(wanted or saved.model, **model_changes)
+    _refuse_differences(run, "model", {
+        f.name: (getattr(saved.model, f.name), getattr(wanted, f.name))
+        for f in dataclasses.fields(ModelConfig) if f.name not in EXECUTION_FIELDS})
+    _refuse_differences(run, "run", {name: (getattr(saved.train, name), says[name])
+                                     for name in IDENTITY_FIELDS if name in says})
+    says = _settle_time_budget(run, saved, says)
+    model_cfg = dataclasses.replace(saved.model, **{
+        k: v for k, v in model_changes.items() if k in EXECUTION_FIELDS})
+    return model_cfg, dataclasses.replace(saved.train, **says)
+
+
+def _refuse_differences(run: RunDir, what: str, pairs: dict[str, tuple[Any, Any]]) -> None:
+    differing = {name: pair for name, pair in pairs.items() if pair[0] != pair[1]}
+    if differing:
+        details = ", ".join(f"{name}: {old!r} -> {new!r}"
+                            for name, (old, new) in differing.items())
+        raise RunError(f"cannot resume {run.path} as a different {what} ({details}); drop those "
+                       f"options or train into a new --out")
+
+
+def _settle_time_budget(run: RunDir, saved: SavedRun, says: dict[str, Any]) -> dict[str, Any]:
+    """A budget the saved run already turned into steps is the same budget, not a new one."""
+    budget = says.get("time_budget")
+    if not budget or saved.train.time_budget:  # none asked, or not yet decided: as given
+        return says
+    record = saved.record.get("time_budget") or {}
+    if record.get("seconds") == budget:
+        return {k: v for k, v in says.items() if k != "time_budget"}
+    decided = (f"trained under a time budget of {record['seconds']:g} s, which fixed it at "
+               f"{saved.train.steps} steps" if record else "trained without a time budget")
+    raise RunError(f"{run.path} was {decided}: to train it further give --steps N instead of "
+                   f"--time-budget")
+
+
+# --- loading the latest weights -----------------------------------------------------------
+
+@dataclass
+class LoadedRun:
+    """A run's latest weights, restored for generation or export: the model laid out by a
+    preset on a mesh, its tokenizer, the step it was saved at, and its config.json."""
+
+    path: Path
+    model: DecoderLM
+    tokenizer: Encoding
+    preset: sharding.Preset
+    mesh: Any
+    step: int
+    saved: SavedRun
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+def load_run(run: str | Path, preset: str = "dp") -> LoadedRun:
+    """Restore a run's latest model weights (no optimizer state) under a preset.
+
+    A latest checkpoint that cannot be read is skipped, with a warning, for the newest that can.
+    Raises RunError for a directory that is not a run or holds no checkpoint yet.
+    """
+    directory = RunDir(run)
+    if not directory.path.is_dir():
+        raise RunError(f"run directory {directory.path} does not exist")
+    saved = directory.read()
+    cfg = saved.model
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if tokenizer.n_vocab > cfg.vocab_size:
+        raise RunError(
+            f"{directory.path} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
+            f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
+    if not directory.checkpoints.is_dir():
+        raise RunError(f"{directory.path} holds no checkpoints/ directory: train it first")
+    checkpointer = Checkpointer(directory.checkpoints, read_only=True)
+    try:
+        if checkpointer.latest_step() is None:
+            raise RunError(f"{directory.checkpoints} holds no checkpoint yet")
+        layout = sharding.load_preset(preset)
+        mesh = sharding.make_mesh(layout)
+        model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), layout,
+                                        mesh)
+        restored = checkpointer.restore(model)
+    finally:
+        checkpointer.close()
+    for step, why in restored["skipped"]:
+        warnings.warn(f"checkpoint {step} of {directory.path} cannot be read ({why}); using "
+                      f"step {restored['step']}, the newest that can", stacklevel=2)
+    return LoadedRun(path=directory.path, model=model, tokenizer=tokenizer, preset=layout,
+                     mesh=mesh, step=restored["step"], saved=saved)
+
+
+# What a caller of `load_run` may be told, besides RunError.
+LOAD_ERRORS = (RunError, CheckpointError, TokenizerError, sharding.PresetError)

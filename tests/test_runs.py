@@ -1,0 +1,70 @@
+"""The run directory (minigpt.runs): config.json written atomically and read back, damaged or
+foreign files refused clearly, runs written by earlier versions read as they were, and a run's
+latest weights loaded as one object."""
+
+import dataclasses
+import json
+
+import pytest
+
+from minigpt.config import ModelConfig, TrainConfig
+from minigpt.runs import RunDir, RunError, load_run
+
+
+def test_run_config_round_trips_and_leaves_no_temporary_file(tmp_path):
+    model, train = ModelConfig(num_layers=3), TrainConfig(steps=9, data=("x.txt",))
+    RunDir(tmp_path).write(model, train, preset="dp", tokenizer="gpt2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    saved = RunDir(tmp_path).read()
+    assert saved.model == model and saved.train == train and saved.record["preset"] == "dp"
+    RunDir(tmp_path).write(model, None, imported={"source": "somewhere"})
+    assert RunDir(tmp_path).read().train is None
+    assert RunDir(tmp_path).read().imported == {"source": "somewhere"}
+
+
+def test_damaged_missing_and_foreign_run_configs_are_refused(tmp_path):
+    with pytest.raises(RunError, match="is this a minigpt run directory"):
+        RunDir(tmp_path).read()
+    (tmp_path / "config.json").write_text('{"model": {"arch": "minigpt"')
+    with pytest.raises(RunError, match="not valid JSON.*damaged"):
+        RunDir(tmp_path).read()
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model": {**dataclasses.asdict(ModelConfig()), "wings": 2}}))
+    with pytest.raises(RunError, match=r"unknown ModelConfig fields \['wings'\]"):
+        RunDir(tmp_path).read()
+
+
+def test_a_config_json_without_newer_fields_still_loads(tmp_path):
+    values = dataclasses.asdict(ModelConfig())
+    del values["kernels"]  # written before the field existed
+    (tmp_path / "config.json").write_text(json.dumps({"model": values, "train": {}}))
+    saved = RunDir(tmp_path).read()
+    assert saved.model.kernels == "auto" and saved.train == TrainConfig()
+
+
+def test_a_run_from_before_models_named_their_tokenizer_keeps_the_data_tokenizer(tmp_path):
+    values = dataclasses.asdict(ModelConfig(vocab_size=4096))
+    del values["tokenizer"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model": values, "train": {}, "tokenizer": "tinystories-4k"}))
+    assert RunDir(tmp_path).read().model.tokenizer == "tinystories-4k"
+    path.write_text(json.dumps({"model": values, "train": {}}))  # older still: GPT-2's
+    assert RunDir(tmp_path).read().model.tokenizer == "gpt2"
+
+
+def test_a_run_directory_names_its_files(tmp_path):
+    run = RunDir(tmp_path / "run")
+    assert run.path == tmp_path / "run"
+    assert [p.name for p in (run.config_file, run.checkpoints, run.metrics, run.tensorboard,
+                             run.loss_plot, run.lock, run.damaged)] == [
+        "config.json", "checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "trainer.lock",
+        "damaged-checkpoints"]
+    assert not run.has_checkpoints()
+
+
+def test_loading_a_directory_that_is_not_a_trained_run_says_what_to_do(tmp_path):
+    with pytest.raises(RunError, match="does not exist"):
+        load_run(tmp_path / "nowhere")
+    RunDir(tmp_path).write(ModelConfig(), TrainConfig())
+    with pytest.raises(RunError, match="holds no checkpoints/ directory: train it first"):
+        load_run(tmp_path)

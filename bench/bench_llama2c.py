@@ -220,7 +220,7 @@ def main() -> None:
         [f"shape: width {cfg.embed_dim}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
          f"SwiGLU {cfg.mlp_dim}, vocabulary {VOCAB}, context {cfg.context_len}, batch {BATCH}; "
          "float32; AdamW (decay 0.1 on matrices), clipping at 1.0",
-         f"llama2.c: its model.py (commit 350e04f, from {PEER} in ../shared/peers) stepped as "
+         f"llama2.c: its model.py (commit 350e04f, from {PEER} in {peers_dir()}) stepped as "
          f"its train.py does; {about['torch']}",
          f"minigpt: `steps.train_step` (compiled once), {about['minigpt']}",
          "each contender in a process of its own, the parent asking each in turn for its steps",

@@ -113,7 +113,8 @@ def main() -> None:
         for name, r in [("tutorial: encode + pad per story", tutorial),
                         ("minigpt: pre-tokenized windows", ours)]])
     append_section("loader throughput", [
-        f"text: {len(files)} files from ../shared/assets/tinystories, {total_bytes:,} bytes; "
+        f"text: {len(files)} files from {Path(args.assets) / 'tinystories'}, "
+        f"{total_bytes:,} bytes; "
         f"batch {args.batch_size} x {args.seq_len} tokens, one process, "
         f"{args.seconds:g} s per pipeline",
         f"one-off preparation (tokenize to token files): {prepare_s:.2f} s",

@@ -10,6 +10,8 @@ changed with `dataclasses.replace`, or from the command line with `--set key=val
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 import tomllib
 import types
@@ -23,9 +25,48 @@ class ConfigError(ValueError):
     """A configuration value a user gave is invalid; the message says which and why."""
 
 
+def check_value(where: str, annotation: Any, value: Any) -> None:
+    """Refuse a value that is not of a field's declared type (`where` names the field, e.g.
+    "model.num_layers" or "recipe stories-cpu: model.num_layers"): ints are ints (not bools),
+    floats are finite numbers, strings are strings, tuples hold their declared items. The one
+    type check behind every way a value arrives (flags, --set, recipes, config.json, imported
+    configs)."""
+    if typing.get_origin(annotation) is tuple:
+        item = typing.get_args(annotation)[0]
+        ok = isinstance(value, tuple) and all(
+            isinstance(v, item) and not isinstance(v, bool) for v in value)
+        kind = "a list of strings" if item is str else "a list of integers"
+    elif annotation is bool:
+        ok, kind = isinstance(value, bool), "true or false"
+    elif annotation is int:
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif annotation is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(
+            value)
+        kind = "a finite number"
+    else:
+        ok, kind = isinstance(value, annotation), annotation.__name__
+    if not ok:
+        raise ConfigError(f"{where} must be {kind}, got {value!r}")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """A config class's fields and their declared types (annotations resolved)."""
+    return typing.get_type_hints(cls)
+
+
+def _check_fields(config: Any, scope: str) -> None:
+    hints = field_types(type(config))
+    for f in dataclasses.fields(config):
+        check_value(f"{scope}.{f.name}", hints[f.name], getattr(config, f.name))
+
+
 DTYPES = ("float32", "bfloat16")
 KERNELS = ("auto", "reference", "cpu")  # see minigpt.models.kernels
+ROPE_SCALINGS = ("", "llama3", "linear")  # see minigpt.models.layers.rope_frequencies
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
+CONTEXT_STRATEGIES = ("ring", "all_gather")  # see minigpt.parallel.ring
 OPTIMIZERS = ("adamw", "muon")  # see minigpt.train.optimizer
 
 
@@ -68,8 +109,44 @@ class ModelConfig:
     # shared by the heads) before the rotary embedding, as Qwen3 does; Hugging Face calls
     # such a model Qwen3ForCausalLM. Runs from before this field existed have none.
     qk_norm: bool = False
+    # Llama only: biases on the query, key and value projections (Qwen2), and on the output
+    # projection too (Llama's `attention_bias`). Runs from before these fields have none.
+    qkv_bias: bool = False
+    out_bias: bool = False
+    # Rotary frequencies scaled for long contexts as Llama 3.1+ ("llama3": low frequencies
+    # divided by rope_factor, high ones kept, a smooth blend between, by rope_low_freq and
+    # rope_high_freq against rope_original_context) or by one factor ("linear"); "": none.
+    rope_scaling: str = ""
+    rope_factor: float = 1.0
+    rope_low_freq: float = 1.0
+    rope_high_freq: float = 4.0
+    rope_original_context: int = 0
+    # Llama only, a mixture of experts (minigpt.models.moe); 0 experts: a dense model. Each
+    # token goes to `experts_per_token` of `num_experts` SwiGLU experts of width
+    # `expert_mlp_dim` (0: mlp_dim), picked by a softmax router, their weights renormalised to
+    # sum to 1 (`norm_topk_prob`: Mixtral, Qwen3-MoE) or not (Qwen2-MoE, OLMoE); a shared
+    # expert of width `shared_expert_mlp_dim` (0: none), gated as Qwen2-MoE's, sees every
+    # token. Hugging Face's `decoder_sparse_step` and `mlp_only_layers` say which layers are
+    # sparse; the block stack holds one kind of layer, so all of them must be.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    norm_topk_prob: bool = True
+    expert_mlp_dim: int = 0
+    shared_expert_mlp_dim: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Assignments each expert takes per sequence, as a multiple of an even share (T k / E);
+    # those over it are dropped. 0: dropless, every token reaches its experts.
+    moe_capacity_factor: float = 0.0
+    # The router's penalties in the training loss: the load-balancing loss of Switch and
+    # Mixtral (E * sum_e f_e P_e) and ST-MoE's z-loss (the squared log-sum-exp of its logits).
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.mlp_only_layers, list):  # as JSON (config.json) holds it
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        _check_fields(self, "model")
         positive = ("vocab_size", "context_len", "embed_dim", "num_heads", "mlp_dim",
                     "num_layers", "vocab_multiple")
         for name in positive:
@@ -87,13 +164,74 @@ class ModelConfig:
                 f"model.num_kv_heads ({self.num_kv_heads})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError(f"model.norm_eps and model.rope_theta must be positive, got "
+                              f"{self.norm_eps} and {self.rope_theta}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.qk_norm and self.arch != "llama":
             raise ConfigError(f"model.qk_norm is a llama option (Qwen3's query and key norms); "
                               f"the {self.arch} architecture has none")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(f"model.rope_scaling must be one of {ROPE_SCALINGS} (\"\": none), "
+                              f"got {self.rope_scaling!r}")
+        if self.rope_scaling and (self.rope_factor <= 0 or self.rope_low_freq <= 0
+                                  or self.rope_high_freq <= self.rope_low_freq):
+            raise ConfigError("model.rope_factor and model.rope_low_freq must be positive and "
+                              "model.rope_high_freq above model.rope_low_freq")
+        if self.rope_scaling == "llama3" and self.rope_original_context <= 0:
+            raise ConfigError("model.rope_scaling llama3 needs model.rope_original_context "
+                              "(the context the model was trained with before scaling)")
+        if (self.qkv_bias or self.out_bias or self.rope_scaling) and self.arch != "llama":
+            raise ConfigError(f"model.qkv_bias, model.out_bias and model.rope_scaling are llama "
+                              f"options; the {self.arch} architecture has none")
         if self.kernels not in KERNELS:
             raise ConfigError(f"model.kernels must be one of {KERNELS}, got {self.kernels!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in MOE_FIELDS}
+        changed = [f"model.{name}" for name, default in defaults.items()
+                   if getattr(self, name) != default]
+        if changed and self.arch != "llama":
+            raise ConfigError(f"{', '.join(changed)}: a mixture of experts is a llama option; "
+                              f"the {self.arch} architecture has none")
+        if self.num_experts < 0:
+            raise ConfigError(f"model.num_experts must be >= 0 (0: dense), got "
+                              f"{self.num_experts}")
+        if not self.num_experts:
+            if changed:
+                raise ConfigError(f"{', '.join(changed)}: a mixture-of-experts setting, for a "
+                                  f"model with model.num_experts > 0")
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(f"model.experts_per_token ({self.experts_per_token}) must be "
+                              f"between 1 and model.num_experts ({self.num_experts})")
+        if self.moe_capacity_factor < 0:
+            raise ConfigError(f"model.moe_capacity_factor must be > 0 (capacity dispatch) or 0 "
+                              f"(dropless), got {self.moe_capacity_factor}")
+        if min(self.expert_mlp_dim, self.shared_expert_mlp_dim) < 0:
+            raise ConfigError("model.expert_mlp_dim and model.shared_expert_mlp_dim must be >= 0")
+        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+            raise ConfigError("model.router_aux_loss_coef and model.router_z_loss_coef must be "
+                              ">= 0")
+        if self.decoder_sparse_step < 1 or any(
+                not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ConfigError(f"model.decoder_sparse_step must be >= 1 and model.mlp_only_layers "
+                              f"name layers 0..{self.num_layers - 1}")
+        dense = [i for i in range(self.num_layers) if i in self.mlp_only_layers
+                 or (i + 1) % self.decoder_sparse_step]
+        if dense:
+            raise ConfigError(
+                f"model.decoder_sparse_step {self.decoder_sparse_step} and model.mlp_only_layers "
+                f"{list(self.mlp_only_layers)} make layer(s) {dense} dense: minigpt stacks one "
+                f"kind of layer, so every layer of a mixture of experts is sparse "
+                f"(decoder_sparse_step=1, no mlp_only_layers)")
+
+    @property
+    def expert_dim(self) -> int:
+        """The hidden width of each expert."""
+        return self.expert_mlp_dim or self.mlp_dim
 
     @property
     def head_dim(self) -> int:
@@ -111,6 +249,10 @@ class ModelConfig:
 
 # Fields that say how a model runs, not what it is: a run may resume with other values.
 EXECUTION_FIELDS = ("dtype", "remat", "scan_layers", "kernels")
+# The mixture-of-experts fields: a llama option, inert (and refused) without experts.
+MOE_FIELDS = ("num_experts", "experts_per_token", "norm_topk_prob", "expert_mlp_dim",
+              "shared_expert_mlp_dim", "decoder_sparse_step", "mlp_only_layers",
+              "moe_capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
 
 
 @dataclass(frozen=True)
@@ -131,6 +273,10 @@ class TrainConfig:
     pipeline_microbatches: int = 0
     pipeline_schedule: str = ""
     pipeline_repeats: int = 1
+    # Under a preset that splits the sequence (`seq = "context"`), how attention reaches the
+    # keys and values of other devices: "ring" (blocks travel round the devices, memory O(T/N))
+    # or "all_gather" (each device gathers them all, O(T)). Same numbers either way.
+    context_strategy: str = "ring"
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     # Linear warm-up steps; -1: a tenth of the run, at most 100 (`warmup_for`), so short runs
@@ -139,7 +285,7 @@ class TrainConfig:
     decay_steps: int = 0  # step at which the cosine reaches its floor; 0: at `steps`
     # Where the cosine starts (-1: where the warm-up ends; later holds the peak until then, a
     # warm-up-stable-decay schedule) and the rate it starts from (0: the peak). A resumed run
-    # whose step count changed records here the decay it continues with (see the README).
+    # whose step count changed records here the decay it continues with (see docs/training.md).
     decay_start: int = -1
     decay_start_lr: float = 0.0
     # The last part of the run the rate decays over, as a fraction of it (0: all of it after
@@ -172,6 +318,7 @@ class TrainConfig:
     init_from: str = ""
 
     def __post_init__(self) -> None:
+        _check_fields(self, "train")
         positive = ("steps", "batch_size", "microbatches", "log_every", "eval_every",
                     "eval_batches", "save_every", "keep_checkpoints")
         for name in positive:
@@ -184,6 +331,12 @@ class TrainConfig:
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < -1:
             raise ConfigError("train.lr must be > 0, min_lr_ratio in [0, 1], warmup_steps >= 0 "
                               "(or -1: a tenth of the run, at most 100)")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.weight_decay >= 0
+                and self.grad_clip > 0):
+            raise ConfigError("train.beta1 and train.beta2 must be in [0, 1), "
+                              "train.weight_decay >= 0 and train.grad_clip > 0")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"train.seed must be in [0, 2^32), got {self.seed}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown train.optimizer {self.optimizer!r}: choose one of "
                               f"{', '.join(OPTIMIZERS)}")
@@ -197,6 +350,9 @@ class TrainConfig:
         if self.pipeline_schedule and self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"unknown train.pipeline_schedule {self.pipeline_schedule!r}: "
                               f"choose one of {', '.join(PIPELINE_SCHEDULES)}")
+        if self.context_strategy not in CONTEXT_STRATEGIES:
+            raise ConfigError(f"unknown train.context_strategy {self.context_strategy!r}: "
+                              f"choose one of {', '.join(CONTEXT_STRATEGIES)}")
         if self.pipeline_repeats < 1:
             raise ConfigError(f"train.pipeline_repeats must be >= 1, got "
                               f"{self.pipeline_repeats}")
@@ -249,7 +405,8 @@ def _parse_value(text: str, annotation: Any, key: str) -> Any:
     """Convert `text` to the type a dataclass field declares (str annotations resolved)."""
     origin = typing.get_origin(annotation)
     if origin is tuple:
-        return tuple(part for part in text.split(",") if part)
+        item = typing.get_args(annotation)[0]
+        return tuple(_parse_value(part, item, key) for part in text.split(",") if part)
     if origin in (types.UnionType, typing.Union):
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     if annotation is bool:

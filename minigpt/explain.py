@@ -3,8 +3,9 @@
     python -m minigpt.sharding --model minigpt --preset fsdp --devices 8
 
 prints every parameter with its logical axes, the mesh PartitionSpec they resolve to and the bytes
-each device holds, then the per-device totals of parameters and optimizer state; under a pipeline
-preset, which layers each stage holds on which devices, the schedule (`--schedule`, `--repeats`,
+each device holds, then the per-device totals of parameters and optimizer state; for a mixture of
+experts, which experts each device holds and their bytes; under a pipeline preset, which layers
+each stage holds on which devices, the schedule (`--schedule`, `--repeats`,
 `--microbatches`), its bubble and the stage inputs each stage keeps for its backward.
 Nothing is allocated: the model and optimizer are built abstractly (shapes only).
 """
@@ -70,6 +71,34 @@ def stage_map(preset: sharding.Preset, mesh, num_layers: int, settings: sharding
     return lines
 
 
+def expert_map(preset: sharding.Preset, mesh, num_experts: int,
+               expert_rows: list[dict[str, Any]]) -> list[str]:
+    """Which experts each device holds and the bytes of expert weights per device: lines."""
+    entry = preset.spec(("expert",))[0]
+    axes = sharding.mesh_axes_in(entry)
+    held = sum(r["bytes_per_device"] for r in expert_rows)
+    total = sum(r["bytes"] for r in expert_rows)
+    if not axes:
+        return [f"experts: all {num_experts} on every device (no `expert` rule); expert weights "
+                f"{held:,} bytes per device of {total:,}"]
+    n = sharding.ways(mesh, entry)
+    per = num_experts // n
+    travel = ("tokens travel to their experts by all-to-all"
+              if set(axes) <= set(preset.mesh_axes_of("batch")) else
+              "the batch is not split over them, so each device gathers the experts it runs")
+    lines = [f"experts: {num_experts} over mesh axes {axes}, {per} per device; expert weights "
+             f"{held:,} bytes per device of {total:,}; {travel}"]
+    moved = np.moveaxis(mesh.devices, [list(mesh.axis_names).index(a) for a in axes],
+                        list(range(len(axes))))
+    groups = moved.reshape(n, -1)
+    for i in range(n):
+        ids = ", ".join(str(d.id) for d in groups[i].flat)
+        first, last = i * per, (i + 1) * per - 1
+        which = f"expert {first}" if per == 1 else f"experts {first}-{last}"
+        lines.append(f"  {which} on device(s) {ids}")
+    return lines
+
+
 def _layer_ranges(layers) -> str:
     """"layer 3", "layers 0-3", "layers 0-1, 4-5": runs of consecutive layers."""
     runs, start = [], layers[0]
@@ -117,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             preset, mesh, model=args.model, num_layers=cfg.num_layers,
             batch_size=args.batch_size or None,
             pipeline=sharding.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
-                                       repeats=args.repeats))
+                                       repeats=args.repeats), num_experts=cfg.num_experts)
     except (sharding.PresetError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -132,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(of {mib(params, 'bytes')} in all)")
     print(f"optimizer state: {mib(opt, 'bytes_per_device')} per device "
           f"(of {mib(opt, 'bytes')} in all)")
+    if cfg.num_experts:
+        experts = [r for r in params if "expert" in r["axes"]]
+        print("\n" + "\n".join(expert_map(preset, mesh, cfg.num_experts, experts)))
     if settings.microbatches:
         blocks = [r for r in params if r["axes"][:1] == ("layers",)]
         print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, settings, blocks,

@@ -1,11 +1,9 @@
-"""Telling stories: KV-cache sampling, its Python API and `python -m minigpt.generate`.
+"""Telling stories and chatting: the Python API and `python -m minigpt.generate`.
 
 The prompt is run once (prefill) to fill each layer's key/value cache; after that every new
-token costs one position of compute. The whole decode loop is one compiled `while_loop`.
-
-Batches of prompts of different lengths are right-padded; row b writes its new tokens at its own
-positions len_b, len_b + 1, ..., and a key is visible to a query only at or before the query's
-position, so padding is never attended to.
+token costs one position of compute. The compiled decode loop is `minigpt.models.sampling`;
+this module runs it window by window, stops at the tokenizer's stop tokens, and turns tokens
+into text (a chat through the model's own chat template, `chat`).
 
 Length rule: the model sees at most its context. A prompt of more than context - 1 tokens is
 refused. A story may grow past the context: when a row's tokens fill it, that row goes on from
@@ -19,9 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
+import math
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -29,85 +26,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from minigpt import CallableModule, sharding
 from minigpt.models import DecoderLM
+from minigpt.models.sampling import decode, stream_tokens, to_host
 from minigpt.runs import LOAD_ERRORS, load_run
-from minigpt.runtime import relaunch_with_huge_pages, set_simulated_devices
+from minigpt.runtime import plain_warnings, relaunch_with_huge_pages, set_simulated_devices
 
 
 class GenerationError(ValueError):
     """A request the model cannot serve (prompt too long, bad sampling values, bad run)."""
 
 
-def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
-                  top_p: float) -> jax.Array:
-    """Draw one token per row from logits [B, V]; temperature 0 means greedy."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        # Keep the smallest set of tokens whose probability reaches top_p: a token stays if the
-        # mass of the tokens strictly more likely than it is below top_p.
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
-        logits = jnp.full_like(logits, -jnp.inf).at[
-            jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
-@functools.partial(nnx.jit, static_argnames=("max_new", "cache_len", "temperature", "top_k",
-                                             "top_p", "eot_id", "stream"))
-def _decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Array,
-            limit: jax.Array, start: jax.Array, done: jax.Array, *, max_new: int, cache_len: int,
-            temperature: float, top_k: int, top_p: float, eot_id: int, stream: bool):
-    """Prefill right-padded prompts [B, P] and sample up to `limit` (<= max_new) tokens per row;
-    rows already `done` give eot_id. New token i of this call is token `start + i` of the story:
-    its key is fold_in(rng, start + i), so where a story's windows begin changes no draw."""
-    B, P = tokens.shape
-    cache = model.init_cache(B, cache_len, dtype=jnp.dtype(model.config.dtype))
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits, cache = model.decode(tokens, positions, cache)  # [B, P, V]
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    out = jnp.full((B, max_new), eot_id, jnp.int32)
-    # The loop body is a trace of its own, which NNX modules must not cross: the weights ride
-    # along in the loop state and the body rebuilds the model from them.
-    graphdef, weights = nnx.split(model)
-
-    def keep_going(state):
-        i, _, _, _, done, _ = state
-        return (i < limit) & ~jnp.all(done)
-
-    def step(state):
-        i, last, cache, out, done, weights = state
-        token = sample_logits(last, jax.random.fold_in(rng, start + i), temperature=temperature,
-                              top_k=top_k, top_p=top_p)
-        token = jnp.where(done, eot_id, token)
-        out = out.at[:, i].set(token)
-        if stream:
-            # Ordered effects are unsupported across devices; the step index lets the host put
-            # tokens back in order should they ever arrive out of it.
-            jax.debug.callback(_stream, start + i, token)
-        done = done | (token == eot_id)
-        logits, cache = nnx.merge(graphdef, weights).decode(token[:, None],
-                                                            (lengths + i)[:, None], cache)
-        return i + 1, logits[:, 0], cache, out, done, weights
-
-    _, _, _, out, _, _ = jax.lax.while_loop(keep_going, step,
-                                            (0, last, cache, out, done, weights))
-    return out
-
-
 def window_keep(context: int) -> int:
     """How many of its last tokens a row keeps when its tokens fill the context."""
     return context - max(1, context // 4)
+
+
+def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int,
+                   top_p: float) -> None:
+    """Refuse sampling settings that mean nothing (GenerationError): they are finite and in
+    range before anything is loaded or compiled."""
+    if not (math.isfinite(temperature) and temperature >= 0 and top_k >= 0
+            and 0.0 < top_p <= 1.0 and max_new_tokens >= 1):
+        raise GenerationError(f"need a finite temperature >= 0, top_k >= 0, 0 < top_p <= 1 and "
+                              f"max_new_tokens >= 1 (got temperature {temperature}, top_k "
+                              f"{top_k}, top_p {top_p}, max_new_tokens {max_new_tokens})")
 
 
 def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens: int,
@@ -124,9 +68,8 @@ def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens
         raise GenerationError(
             f"the prompt has {longest} tokens but the model's context is {context}: shorten it "
             f"to at most {context - 1} tokens to leave room for a new one")
-    if temperature < 0 or top_k < 0 or not 0.0 < top_p <= 1.0 or max_new_tokens < 1:
-        raise GenerationError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1 and "
-                              "max_new_tokens >= 1")
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p)
     if temperature > 0 and not has_rng:
         raise GenerationError("sampling with temperature > 0 needs an rng key (or a --seed)")
 
@@ -134,8 +77,10 @@ def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens
 def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
                     max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
                     top_p: float = 1.0, rng: jax.Array | None = None, eot_id: int | None = None,
+                    stop_ids: Sequence[int] = (),
                     on_token: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
-    """New token ids for each prompt, stopping at `eot_id` (not included) or `max_new_tokens`.
+    """New token ids for each prompt, stopping at any of `stop_ids` (or `eot_id`; the stop
+    token not included) or after `max_new_tokens`.
 
     `on_token`, if given, receives each step's tokens [B] as they are drawn (for streaming).
     Past the context, rows go on in windows (the module docstring's length rule): one compiled
@@ -144,36 +89,38 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
     context = model.config.context_len
     check_request(context, [len(p) for p in prompts], max_new_tokens=max_new_tokens,
                   temperature=temperature, top_k=top_k, top_p=top_p, has_rng=rng is not None)
-    eot = -1 if eot_id is None else eot_id
+    stops = tuple(stop_ids) or (() if eot_id is None else (eot_id,))
+    top_k = 0 if top_k >= model.config.vocab_size else top_k  # all of them: no cut to make
     sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                    eot_id=eot, stream=on_token is not None)
+                    stop_ids=stops, stream=on_token is not None)
     rng = jax.random.key(0) if rng is None else rng
     windows = [list(p) for p in prompts]  # what each row's model sees now
     new = [[] for _ in prompts]
     done, produced = np.zeros(len(prompts), bool), 0
-    with _stream.to(on_token) if on_token else contextlib.nullcontext():
+    with stream_tokens.to(on_token) if on_token else contextlib.nullcontext():
         while produced < max_new_tokens and not done.all():
             longest = max(len(w) for w in windows)
             count = min(max_new_tokens - produced, context - longest)
             # Round the padded prompt length up so prompts of similar length share one
             # compilation. The first window's loop is sized to the request, later ones to the
-            # context, so they compile once; rows that stopped keep their place (giving eot_id).
+            # context, so they compile once; rows that stopped keep their place.
             padded = min(-(-longest // 16) * 16, context)
             first = produced == 0
             tokens = np.zeros((len(prompts), padded), np.int32)
             for row, window in enumerate(windows):
                 tokens[row, :len(window)] = window
-            out = _decode(model, jnp.asarray(tokens),
-                          jnp.asarray([len(w) for w in windows], np.int32), rng,
-                          jnp.int32(count), jnp.int32(produced), jnp.asarray(done),
-                          max_new=count if first else context,
-                          cache_len=min(context, padded + count) if first else context,
-                          **sampling)
-            for row, drawn in enumerate(_to_host(out)[:, :count].tolist()):
+            out = decode(model, jnp.asarray(tokens),
+                         jnp.asarray([len(w) for w in windows], np.int32), rng,
+                         jnp.int32(count), jnp.int32(produced), jnp.asarray(done),
+                         max_new=count if first else context,
+                         cache_len=min(context, padded + count) if first else context,
+                         **sampling)
+            for row, drawn in enumerate(to_host(out)[:, :count].tolist()):
                 if done[row]:
                     continue
-                if eot in drawn:
-                    drawn, done[row] = drawn[:drawn.index(eot)], True
+                stop = next((i for i, t in enumerate(drawn) if t in stops), None)
+                if stop is not None:
+                    drawn, done[row] = drawn[:stop], True
                 new[row] += drawn
                 windows[row] += drawn
                 if len(windows[row]) >= context:
@@ -182,67 +129,59 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
     return new
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    """The whole array on this host, also when other processes of a multi-process job hold parts."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+class _TextStream:
+    """Turns tokens arriving one by one into text for `on_text`: the whole continuation is
+    decoded again each time and only what is new is passed on, since a token alone may be part
+    of a character (byte-level BPE) or lose its leading space (SentencePiece's `▁`)."""
 
+    def __init__(self, tokenizer, prompt: list[int], on_text: Callable[[str], None]):
+        self.tokenizer, self.ids, self.on_text = tokenizer, list(prompt), on_text
+        self.shown = len(tokenizer.decode(self.ids, skip_special_tokens=True))
 
-class _StreamRouter:
-    """Forwards each decode step's tokens to the current generation's callback, in step order.
-
-    The compiled decode loop holds this one object, so a cached compilation reaches the callback
-    of whichever call is running now rather than the callback of the call that compiled it.
-    """
-
-    def __init__(self):
-        self.target: Callable[[np.ndarray], None] | None = None
-        self.next, self.waiting = 0, {}
-
-    @contextlib.contextmanager
-    def to(self, target: Callable[[np.ndarray], None]):
-        self.target, self.next, self.waiting = target, 0, {}
-        try:
-            yield
-        finally:
-            self.target = None
-
-    def __call__(self, index, tokens) -> None:
-        self.waiting[int(index)] = np.asarray(tokens)
-        while self.next in self.waiting:
-            tokens = self.waiting.pop(self.next)
-            if self.target is not None:
-                self.target(tokens)
-            self.next += 1
-
-
-_stream = _StreamRouter()
+    def __call__(self, tokens: np.ndarray) -> None:
+        if int(tokens[0]) in self.tokenizer.stop_tokens:
+            return
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if len(text) > self.shown and not text.endswith("\ufffd"):  # wait for a whole char
+            self.on_text(text[self.shown:])
+            self.shown = len(text)
 
 
 def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 200,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              rng: jax.Array | None = None, on_text: Callable[[str], None] | None = None
              ) -> list[str]:
-    """Continue each prompt; returns prompt + continuation texts.
+    """Continue each prompt (encoded as the model's tokenizer encodes a prompt: its begin token
+    too, where it has one) until one of the tokenizer's stop tokens or `max_new_tokens`;
+    returns prompt + continuation texts, special tokens left out.
 
     `on_text` streams the text of a single prompt as tokens arrive.
     """
     if on_text is not None and len(prompts) != 1:
         raise GenerationError("streaming works with a single prompt")
-    encoded = [tokenizer.encode_ordinary(p) for p in prompts]
-    on_token = None
-    if on_text is not None:
-        eot = tokenizer.eot_token
-
-        def on_token(tokens: np.ndarray) -> None:
-            if int(tokens[0]) != eot:
-                on_text(tokenizer.decode([int(tokens[0])]))
-
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
+    on_token = None if on_text is None else _TextStream(tokenizer, encoded[0], on_text)
     new = generate_tokens(model, encoded, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
-                          eot_id=tokenizer.eot_token, on_token=on_token)
-    return [tokenizer.decode(p + n) for p, n in zip(encoded, new)]
+                          stop_ids=tokenizer.stop_tokens, on_token=on_token)
+    return [tokenizer.decode(p + n, skip_special_tokens=True) for p, n in zip(encoded, new)]
+
+
+def chat(model: DecoderLM, tokenizer, messages: Sequence[dict[str, str]], *,
+         max_new_tokens: int = 200, temperature: float = 0.0, top_k: int = 0,
+         top_p: float = 1.0, rng: jax.Array | None = None,
+         on_text: Callable[[str], None] | None = None) -> str:
+    """The model's reply to a conversation: `messages` ({"role": "system" | "user" |
+    "assistant", "content": ...}) rendered by its chat template as transformers'
+    `apply_chat_template(..., add_generation_prompt=True)` renders them, then generated until an
+    end-of-turn token; only the reply is returned (and streamed to `on_text`)."""
+    prompt = tokenizer.encode_ordinary(tokenizer.render_chat(list(messages)))
+    on_token = None if on_text is None else _TextStream(tokenizer, [], on_text)
+    new = generate_tokens(model, [prompt], max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
+                          stop_ids=tokenizer.stop_tokens, on_token=on_token)[0]
+    return tokenizer.decode(new, skip_special_tokens=True)
 
 
 def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_tokens: int,
@@ -281,57 +220,70 @@ def load_for_generation(run: str | Path, preset_name: str = "dp"):
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minigpt.generate",
-                                description="Tell stories from a run's latest checkpoint.")
-    p.add_argument("--run", required=True, help="run directory written by minigpt.train")
+                                description="Tell stories from a run's latest checkpoint, or "
+                                            "chat with an imported instruct model.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run", required=True, help="run directory written by minigpt.train or "
+                                                "minigpt.hub import")
     p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--chat", metavar="MESSAGE", help="send MESSAGE through the model's chat "
+                                                     "template and print only its reply")
+    p.add_argument("--system", metavar="MESSAGE", help="a system message before --chat's")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest (0, or the vocabulary size or more: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="in [0, 2^32)")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--preset", default="dp", help="how to lay the model out on the devices")
     p.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
     args = p.parse_args(argv)
+    if args.system is not None and args.chat is None:
+        p.error("--system goes with --chat")
     if args.devices:
         set_simulated_devices(args.devices)
-    with warnings.catch_warnings():
-        warnings.showwarning = _print_warning
-        return _tell(args)
-
-
-def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A warning on the command line: one line on stderr, not the source line behind it."""
-    print(f"warning: {message}", file=sys.stderr)
-
-
-def _tell(args: argparse.Namespace) -> int:
     try:
-        loaded = load_run(args.run, args.preset)
-        model, tokenizer, step = loaded.model, loaded.tokenizer, loaded.step
-        prompts = [args.prompt] * args.num_samples
-        rng = jax.random.key(args.seed)
-        stream = args.num_samples == 1
-        check_request(model.config.context_len, [len(tokenizer.encode_ordinary(args.prompt))],
-                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, has_rng=True)
-        with sharding.use_preset(loaded.preset, loaded.mesh):
-            if stream:
-                print(args.prompt, end="", flush=True)
-            stories = generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, top_k=args.top_k,
-                               top_p=args.top_p, rng=rng,
-                               on_text=(lambda t: print(t, end="", flush=True)) if stream
-                               else None)
-        if stream:
-            print()
-        else:
-            for i, story in enumerate(stories):
-                print(f"--- sample {i + 1} (step {step}) ---\n{story}\n")
+        with plain_warnings():
+            _tell(args)
     except (GenerationError, *LOAD_ERRORS) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _tell(args: argparse.Namespace) -> None:
+    check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p)
+    if not 0 <= args.seed < 2**32 or args.num_samples < 1:
+        raise GenerationError(f"need 0 <= --seed < 2^32 and --num-samples >= 1 (got "
+                              f"{args.seed} and {args.num_samples})")
+    loaded = load_run(args.run, args.preset)
+    model, tokenizer, step = loaded.model, loaded.tokenizer, loaded.step
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.chat})
+    prompt = (tokenizer.encode_ordinary(tokenizer.render_chat(messages)) if args.chat
+              else tokenizer.encode_prompt(args.prompt))
+    check_request(model.config.context_len, [len(prompt)], max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  has_rng=True)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p)
+    stream = args.num_samples == 1
+    show = (lambda text: print(text, end="", flush=True)) if stream else None
+    with sharding.use_preset(loaded.preset, loaded.mesh):
+        if stream and not args.chat:
+            print(args.prompt, end="", flush=True)
+        texts = [chat(model, tokenizer, messages, rng=jax.random.fold_in(
+                     jax.random.key(args.seed), i), on_text=show, **sampling)
+                 for i in range(args.num_samples)] if args.chat else generate(
+            model, tokenizer, [args.prompt] * args.num_samples, rng=jax.random.key(args.seed),
+            on_text=show, **sampling)
+    if stream:
+        print()
+    else:
+        for i, text in enumerate(texts):
+            print(f"--- sample {i + 1} (step {step}) ---\n{text}\n")
 
 
 sys.modules[__name__].__class__ = CallableModule  # minigpt.generate(...) calls generate(...)

@@ -112,6 +112,9 @@ class RunDir:
     def read(self) -> SavedRun:
         """config.json, checked and turned into configs; RunError if it is missing or damaged."""
         path = self.config_file
+        if self.path.exists() and not self.path.is_dir():
+            raise RunError(f"{self.path} is not a run directory (one trained here, or made by "
+                           f"python -m minigpt.hub import): it is a file")
         try:
             payload = json.loads(path.read_text())
         except FileNotFoundError:
@@ -119,15 +122,20 @@ class RunDir:
         except (OSError, ValueError) as error:
             raise RunError(f"{path} is not valid JSON ({error}); the run directory is "
                            f"damaged") from None
+        if isinstance(payload, dict) and ("model_type" in payload or "architectures" in payload):
+            raise RunError(f"{self.path} is a Hugging Face model folder, not a minigpt run: "
+                           f"import it first with python -m minigpt.hub import {self.path} "
+                           f"--out RUN")
         if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
             raise RunError(f"{path} is not a minigpt run config (no model section)")
         model = dict(payload.pop("model"))
         # Runs from before models named their tokenizer recorded only the data's.
         model.setdefault("tokenizer", payload.get("tokenizer", "gpt2"))
-        # A vocabulary file the run directory holds is named relative to it.
+        # A tokenizer the run directory holds (an imported one's folder, or a vocabulary file
+        # earlier versions converted) is named relative to it.
         tokenizer = model["tokenizer"]
-        if isinstance(tokenizer, str) and tokenizer.endswith(".tiktoken") and \
-                not Path(tokenizer).is_absolute() and (self.path / tokenizer).is_file():
+        if isinstance(tokenizer, str) and _held(self.path, tokenizer) and \
+                not Path(tokenizer).is_absolute():
             model["tokenizer"] = str((self.path / tokenizer).absolute())
         train = payload.pop("train", None)
         try:
@@ -145,12 +153,17 @@ class RunDir:
         name there, so the run directory can move; `train` is None for imported weights."""
         model_fields = dataclasses.asdict(model)
         tokenizer = Path(model.tokenizer)
-        if tokenizer.suffix == ".tiktoken" and tokenizer.is_absolute() and \
-                tokenizer.parent == self.path.absolute():
+        if tokenizer.is_absolute() and tokenizer.parent == self.path.absolute():
             model_fields["tokenizer"] = tokenizer.name
         payload = {"model": model_fields,
                    **({"train": dataclasses.asdict(train)} if train else {}), **record}
         write_text_atomic(self.config_file, json.dumps(payload, indent=2) + "\n")
+
+
+def _held(run: Path, tokenizer: str) -> bool:
+    """Whether a tokenizer name means a file or folder inside the run directory."""
+    return (tokenizer.endswith(".tiktoken") and (run / tokenizer).is_file()) or (
+        (run / tokenizer / "tokenizer.json").is_file())
 
 
 def _built(cls, values: dict[str, Any]):
@@ -162,9 +175,21 @@ def _built(cls, values: dict[str, Any]):
 
 
 def check_start(out: str | Path, *, resume: bool, init_from: str = "") -> None:
-    """Refuse a run that cannot start: a new one into a directory that already holds
-    checkpoints, or one started from a run (`init_from`) that holds none."""
-    if not resume and RunDir(out).has_checkpoints():
+    """Refuse a run that cannot start, before anything is written: `out` is not a directory,
+    or holds files where a run keeps folders (or the reverse); a new run into a directory that
+    already holds checkpoints; a run started from one (`init_from`) that holds none."""
+    run = RunDir(out)
+    if run.path.exists() and not run.path.is_dir():
+        raise RunError(f"--out {out} is a file, not a directory: choose another --out")
+    for path, folder in ((run.checkpoints, True), (run.tensorboard, True), (run.damaged, True),
+                         (run.config_file, False), (run.metrics, False)):
+        if path.exists() and path.is_dir() != folder:
+            raise RunError(f"{path} should be a {'folder' if folder else 'file'} of the run, "
+                           f"but is not: move it out of {out}, then train again")
+    if init_from and not RunDir(init_from).path.is_dir():
+        raise RunError(f"--init-from {init_from} is not a run directory (one trained here, or "
+                       f"made by python -m minigpt.hub import)")
+    if not resume and run.has_checkpoints():
         raise RunError(f"{out} already holds checkpoints: pass --resume to continue it, or "
                        f"choose another --out")
     if init_from and not resume and not has_checkpoint(RunDir(init_from).checkpoints):
@@ -172,13 +197,16 @@ def check_start(out: str | Path, *, resume: bool, init_from: str = "") -> None:
 
 
 def keep_vocabulary(name: str, source_run: Path, run: Path) -> str:
-    """A run that starts from the weights of `source_run` keeps its own copy of the vocabulary
-    file that run holds (an imported tokenizer), so it does not depend on that directory; the
-    tokenizer name to use from now on (`name` itself for any other tokenizer)."""
+    """A run that starts from the weights of `source_run` keeps its own copy of the tokenizer
+    that run holds (an imported checkpoint's tokenizer folder, or a vocabulary file), so it does
+    not depend on that directory; the tokenizer name to use from now on (`name` itself for any
+    other tokenizer)."""
     path = Path(name)
-    if path.suffix != ".tiktoken" or path.parent != Path(source_run).absolute():
+    if path.parent != Path(source_run).absolute():
         return name
     run.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        shutil.copytree(path, run / path.name, dirs_exist_ok=True)
     for file in (path, path.with_suffix(".json")):
         if file.is_file():
             shutil.copy2(file, run / file.name)

@@ -16,6 +16,8 @@
   run on the CPU there). `MINIGPT_HUGE_PAGES=0` turns it off; setting GLIBC_TUNABLES yourself,
   to anything, leaves your setting alone.
 - `has_accelerator()`: whether a GPU or TPU is attached, asked without starting JAX.
+- `plain_warnings()`: inside it, a Python warning reaches the user as one line on stderr,
+  `warning: ...`, not with the source line that raised it (every command line runs in it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import shutil
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -83,6 +86,17 @@ def relaunch_with_huge_pages() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+@contextlib.contextmanager
+def plain_warnings():
+    """Show warnings as one line, `warning: <message>`, on stderr while the block runs."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def _huge_pages_available() -> bool:

@@ -1,15 +1,17 @@
 """Tokenizers: tiktoken encodings by name (GPT-2 by default) and the messages when they fail.
 
-Two kinds of name work: tiktoken's own encodings (`gpt2`), and byte-level BPE vocabularies
-trained on TinyStories that ship with minigpt as ranks files (`tinystories-4k`, in
+The zoo's own vocabularies are tiktoken encodings: tiktoken's `gpt2`, and byte-level BPE
+vocabularies trained on TinyStories that ship with minigpt as ranks files (`tinystories-4k`, in
 `minigpt/vocabularies/`, each beside a JSON file saying how it was made); a path to such a
-`.tiktoken` file works too. Either way the runtime tokenizer is an `Encoding`: a
-`tiktoken.Encoding` that keeps what it was made of at hand (`ranks`, `pattern`,
-`special_tokens`), which exporting it needs and tiktoken keeps private. The shipped vocabularies
-are their mergeable ranks, GPT-2's split pattern and `<|endoftext|>` as the last id; a ranks file
-converted from a Hugging Face tokenizer by earlier versions has its own split regex and special
-tokens, recorded as `pat_str` and `special_tokens` in its JSON. Training a new vocabulary is
-`minigpt.data.vocabulary`.
+`.tiktoken` file works too. They load as an `Encoding`: a `tiktoken.Encoding` that keeps what it
+was made of at hand (`ranks`, `pattern`, `special_tokens`), which exporting it needs and tiktoken
+keeps private. The shipped vocabularies are their mergeable ranks, GPT-2's split pattern and
+`<|endoftext|>` as the last id; a ranks file converted from a Hugging Face tokenizer by earlier
+versions has its own split regex and special tokens, recorded as `pat_str` and `special_tokens`
+in its JSON. An imported checkpoint's tokenizer is an `HFTokenizer`: its own `tokenizer.json`,
+read by the `tokenizers` library that defines the format. Both speak one interface (see
+`Encoding`), which training, generation, the notebooks and export use. Training a new vocabulary
+is `minigpt.data.vocabulary`.
 
 tiktoken fetches an encoding's BPE files from OpenAI's blob store on first use and keeps them in
 a cache directory. Without a network and without that cache it fails deep inside `requests`
@@ -35,6 +37,8 @@ from tiktoken_ext import openai_public
 from minigpt.files import write_text_atomic
 
 DEFAULT_TOKENIZER = "gpt2"
+# End-of-text tokens by their usual names, for a tokenizer whose configs name none.
+END_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 SHIPPED_DIR = Path(__file__).resolve().parent / "vocabularies"
 EOT = "<|endoftext|>"
 # GPT-2's pre-tokenizer: contractions, letter runs, digit runs, punctuation, whitespace. A BPE
@@ -48,13 +52,194 @@ class TokenizerError(RuntimeError):
 
 class Encoding(tiktoken.Encoding):
     """A tiktoken encoding with what it is made of at hand: `ranks` (token bytes -> id, the id
-    also the merge priority), the split regex `pattern` and `special_tokens` (name -> id)."""
+    also the merge priority), the split regex `pattern` and `special_tokens` (name -> id).
+
+    It speaks the interface every minigpt tokenizer speaks (`HFTokenizer` is the other):
+    `encode_ordinary[_batch]` (text as text: special tokens' names are not special),
+    `encode_prompt`, `decode(ids, skip_special_tokens=False)`, `n_vocab`, `eot_token` (the id
+    after each document, `<|endoftext|>`), `bos_token` (before each document: None here),
+    `stop_tokens` (where generation stops) and `chat_template` (None here)."""
+
+    bos_token = None
+    chat_template = None
 
     def __init__(self, name: str, *, pattern: str, ranks: dict[bytes, int],
                  special_tokens: dict[str, int], explicit_n_vocab: int | None = None):
         super().__init__(name, pat_str=pattern, mergeable_ranks=ranks,
                          special_tokens=special_tokens, explicit_n_vocab=explicit_n_vocab)
         self.ranks, self.pattern, self.special_tokens = ranks, pattern, dict(special_tokens)
+
+    @property
+    def eot_token(self) -> int:
+        """`<|endoftext|>`, or the first special token where it is absent."""
+        specials = self.special_tokens
+        if not specials:
+            raise TokenizerError(f"{self.name} has no special token to end a document with")
+        return specials.get(EOT, min(specials.values()))
+
+    @property
+    def stop_tokens(self) -> tuple[int, ...]:
+        return (self.eot_token,)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode_ordinary(text)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        raise TokenizerError(f"the {self.name} tokenizer has no chat template (runs imported "
+                             f"from an instruct checkpoint have one): use --prompt instead")
+
+    def decode(self, tokens, errors: str = "replace", skip_special_tokens: bool = False) -> str:
+        if skip_special_tokens:
+            special = set(self.special_tokens.values())
+            tokens = [t for t in tokens if t not in special]
+        return super().decode(tokens, errors=errors)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer, as its own library (`tokenizers`) reads it: a folder holding
+    the checkpoint's `tokenizer.json` and, where it had them, `tokenizer_config.json`,
+    `generation_config.json` and `chat_template.jinja` (`minigpt.hub` copies them into a run).
+
+    Normalizers, pre-tokenizers, byte fallback, `▁` spaces and added tokens behave as they do
+    for the people who trained the model, because the same library runs them. Its begin token
+    (added before each document where the tokenizer's post-processor adds it, as Llama's does),
+    its end tokens (a list is kept whole: generation stops at any of them; the first separates
+    documents) and its chat template come from the configs, generation_config.json first; where
+    they name no end token, a special token of a usual end name (`END_NAMES`) is one.
+    Same interface as `Encoding`."""
+
+    def __init__(self, folder: str | Path):
+        import tokenizers  # only imported checkpoints need it
+
+        self.folder = Path(folder)
+        self.name = self.folder.name
+        path = self.folder / "tokenizer.json"
+        try:
+            self.inner = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as error:  # the library raises plain Exceptions for a file it refuses
+            raise TokenizerError(f"{path} cannot be read by the tokenizers library: "
+                                 f"{_first_line(error)}") from None
+        self.special_tokens = {t.content: i for i, t in
+                               self.inner.get_added_tokens_decoder().items() if t.special}
+        self.n_vocab = self.inner.get_vocab_size(with_added_tokens=True)
+        configs = [_json_object(self.folder / name) for name in (
+            "generation_config.json", "config.json", "tokenizer_config.json")]
+        self.stop_tokens = self._ids(configs, "eos") or tuple(
+            self.special_tokens[name] for name in END_NAMES if name in self.special_tokens)[:1]
+        bos = self._ids(configs, "bos")
+        try:
+            added = self.inner.encode("a", add_special_tokens=True).ids
+        except Exception as error:  # e.g. a model that cannot encode without an unknown token
+            raise TokenizerError(f"{path} cannot encode text: {_first_line(error)}") from None
+        self.bos_token = bos[0] if bos and added[:1] == bos[:1] else None
+        # None: nothing to end a document with (data preparation then refuses the tokenizer).
+        self.eot_token = self.stop_tokens[0] if self.stop_tokens else None
+        self._config = configs[2]
+        self.chat_template = _chat_template(self.folder, configs[2])
+
+    def _ids(self, configs: list[dict], role: str) -> tuple[int, ...]:
+        """The ids of the begin ("bos") or end ("eos") tokens: generation_config.json's and
+        config.json's ids, else tokenizer_config.json's token names."""
+        for config in configs[:2]:
+            value = config.get(f"{role}_token_id")
+            ids = [value] if isinstance(value, int) else value
+            if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+                return tuple(dict.fromkeys(i for i in ids if 0 <= i < self.n_vocab))
+        name = configs[2].get(f"{role}_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        token = self.inner.token_to_id(name) if isinstance(name, str) else None
+        return () if token is None else (token,)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
+        return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as the model's own tokenizer gives it to the model (its begin token too)."""
+        return self.inner.encode(text, add_special_tokens=True).ids
+
+    def decode(self, tokens, skip_special_tokens: bool = False) -> str:
+        return self.inner.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def token_name(self, token: int) -> str | None:
+        return self.inner.id_to_token(token)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model reads it: the chat template rendered the way
+        transformers' `apply_chat_template` renders it (jinja2's sandbox, trim_blocks and
+        lstrip_blocks, the loop controls, its `tojson`, `raise_exception` and `strftime_now`,
+        the special tokens by role). A template that fails says why, in one line."""
+        if self.chat_template is None:
+            raise TokenizerError(f"{self.folder} has no chat template (tokenizer_config.json's "
+                                 f"chat_template, or chat_template.jinja): use --prompt instead")
+        roles = {}
+        for role in ("bos", "eos", "unk", "pad"):
+            ids = self._ids([{}, {}, self._config], role)
+            if ids:
+                roles[f"{role}_token"] = self.inner.id_to_token(ids[0])
+        try:
+            template = _chat_environment().from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    **roles)
+        except Exception as error:  # jinja2 raises its own kinds, templates may raise anything
+            raise TokenizerError(f"the chat template of {self.folder} failed: "
+                                 f"{type(error).__name__}: {_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; {} where there is none."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        raise TokenizerError(f"cannot read {path}: {_first_line(error)}") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} is not a JSON object")
+    return value
+
+
+def _chat_template(folder: Path, tokenizer_config: dict) -> str | None:
+    """The chat template: chat_template.jinja (how transformers 5 saves it), else
+    tokenizer_config.json's `chat_template` (a string, or named templates: "default")."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+@functools.cache
+def _chat_environment():
+    """jinja2's sandbox set up as transformers sets it up for chat templates (Hub templates are
+    untrusted code: they run sandboxed)."""
+    import datetime
+
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
 
 
 def _cache_dir() -> str:
@@ -71,7 +256,10 @@ def shipped_tokenizers() -> list[str]:
 
 
 def ranks_file(name: str) -> Path | None:
-    """The ranks file a tokenizer name means, or None for tiktoken's own encodings."""
+    """The ranks file a tokenizer name means, or None for tiktoken's own encodings and
+    tokenizer folders."""
+    if (Path(name) / "tokenizer.json").is_file():
+        return None
     if name in shipped_tokenizers():
         return SHIPPED_DIR / f"{name}.tiktoken"
     if name.endswith(".tiktoken") or os.sep in name:
@@ -79,17 +267,21 @@ def ranks_file(name: str) -> Path | None:
     return None
 
 
-def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> Encoding:
-    """The encoding called `name` (or read from the ranks file `name`), loaded once per process.
+def load_tokenizer(name: str = DEFAULT_TOKENIZER) -> Encoding | HFTokenizer:
+    """The tokenizer called `name`, loaded once per process: a folder holding a tokenizer.json
+    (an imported checkpoint's: `HFTokenizer`), or an `Encoding` (tiktoken's own, a shipped
+    vocabulary, or a `.tiktoken` ranks file).
 
-    Raises TokenizerError for an unknown name (listing the known ones), an unreadable ranks file,
+    Raises TokenizerError for an unknown name (listing the known ones), an unreadable file,
     and when tiktoken's files can be neither read from the cache nor downloaded.
     """
     return _load(name)
 
 
 @functools.cache
-def _load(name: str) -> Encoding:
+def _load(name: str) -> Encoding | HFTokenizer:
+    if (Path(name) / "tokenizer.json").is_file():
+        return HFTokenizer(name)
     path = ranks_file(name)
     if path is not None:
         return _from_ranks(name, path)

@@ -97,11 +97,11 @@ def test_cli(tmp_path, capsys, gpt2, stories_file):
     out = capsys.readouterr().out
     meta = load_meta(next(tmp_path.glob("text-*")))
     assert f"train {meta['train_tokens']:,} tokens" in out
-    # The real entry point, in a fresh process: a user error is one line and exit status 1.
+    # The real entry point, in a fresh process: a user error is one line and exit status 2.
     result = subprocess.run(
         [sys.executable, "-m", "minigpt.data", "prepare", "--text", str(tmp_path / "nope.txt"),
          "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: no such file: {tmp_path / 'nope.txt'} (data is 'tinystories', "
         f"'tinystories-v2', a prepared directory, or text files)"]

@@ -14,10 +14,10 @@ from minigpt.generate import (
     generate_recompute,
     generate_tokens,
     main,
-    sample_logits,
     window_keep,
 )
 from minigpt.models import build_model, get_config
+from minigpt.models.sampling import sample_logits
 
 TINY = get_config("minigpt-tiny")
 PROMPTS = [[464, 3797, 3332], list(range(100, 137)), [7], list(range(2000, 2017))]

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_checkpoints import gpt2_checkpoint, llama_checkpoint, write_hf
+from tokenizers import Tokenizer
 
 from minigpt import hub, sharding
 from minigpt.hub import safetensors as weights
-from minigpt.hub import tokenizer_files as hf_tokenizer
-from minigpt.runs import VOCABULARY, RunDir, load_run
+from minigpt.runs import RunDir, load_run
 from minigpt.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,8 +172,9 @@ def test_llama_import_matches_the_architecture(tmp_path, tied, head_dim, dtype, 
     cfg = RunDir(run).read().model
     assert (cfg.tie_embeddings, cfg.num_kv_heads, cfg.head_dim) == (tied, 2, head_dim or 8)
     assert cfg.qk_norm == qk_norm
-    assert (run / VOCABULARY).is_file()
-    assert json.loads((run / "config.json").read_text())["model"]["tokenizer"] == VOCABULARY
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (
+        hf / "tokenizer.json").read_bytes()  # the checkpoint's own, byte for byte
+    assert json.loads((run / "config.json").read_text())["model"]["tokenizer"] == "tokenizer"
     as_read = {k: v.astype(dtype).astype(np.float32) for k, v in w.items()}
     reference = np.stack([llama_reference(config, as_read, row) for row in IDS[:2]])
     logits, model = minigpt_logits(run, "dp", IDS[:2])
@@ -198,12 +199,14 @@ def test_import_then_export_gives_back_the_same_tensors(tmp_path, qk_norm):
     for key in ("hidden_size", "num_key_value_heads", "rope_theta", "vocab_size",
                 "tie_word_embeddings", "rms_norm_eps", "model_type", "architectures"):
         assert out_config[key] == config[key], key
-    # and its tokenizer encodes as the run's does
-    enc = load_tokenizer("tinystories-4k")
+    # its tokenizer is the checkpoint's, as it came in, and encodes as the run's does
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
+        hf / "tokenizer.json").read_bytes()
     text = "Once upon a time, 12 cats sat  on a mat.\n\nThe end."
-    exported_enc = hf_tokenizer.load_hf_encoding(tmp_path / "out")
-    assert exported_enc._mergeable_ranks == enc._mergeable_ranks
-    assert exported_enc.encode(text, allowed_special="all") == enc.encode(text)
+    run_tokenizer = load_run(tmp_path / "run").tokenizer
+    exported = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert exported.encode(text).ids == run_tokenizer.encode_ordinary(text)
+    assert exported.encode(text).ids == load_tokenizer("tinystories-4k").encode_ordinary(text)
     # import of the export: the same parameters, bit for bit
     assert hub.main(["import", str(tmp_path / "out"), "--out", str(tmp_path / "again")]) == 0
     first, second = load_run(tmp_path / "run").model, load_run(tmp_path / "again").model
@@ -271,12 +274,14 @@ def _not_bpe(hf, config, w):
 
 @pytest.mark.parametrize("change,message", [
     (lambda hf, c, w: (hf / "config.json").unlink(), "has no config.json"),
-    (_edit_config(model_type="mistral"), "model_type 'mistral'"),
-    (_edit_config(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
-    (_edit_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
-     "rope_parameters.rope_type"),
-    (_edit_config(attention_bias=True), "attention_bias"),
-    (_edit_config(sliding_window=4096), "sliding_window"),
+    (_edit_config(model_type="phi"), "model_type 'phi'"),
+    (_edit_config(rope_scaling={"type": "dynamic", "factor": 2.0}), 'rope_type "dynamic"'),
+    (_edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5}),
+     'rope_type "yarn"'),
+    (_edit_config(rope_scaling=[2.0]), "expected an object"),
+    # Llama's attention_bias means biases on all four projections, which these files lack
+    (_edit_config(attention_bias=True), "lacks model.layers.0.self_attn.q_proj.bias"),
+    (_edit_config(model_type="mistral", sliding_window=64), "sliding_window = 64"),
     (_edit_config(model_type="qwen3", use_sliding_window=True), "use_sliding_window"),
     (_edit_config(model_type="qwen3", layer_types=["full_attention", "sliding_attention"]),
      "layer_types"),
@@ -326,7 +331,7 @@ def test_the_imported_run_is_not_resumed_but_started_from(tmp_path, capsys):
                                                    "--set", "model.num_layers=4"]))
     model_cfg, train_cfg = resolve_configs(build_parser().parse_args(
         ["--init-from", str(run), "--set", "model.dropout=0.1", "--out", str(tmp_path / "new")]))
-    assert model_cfg.tokenizer == str((run / VOCABULARY).absolute())
+    assert model_cfg.tokenizer == str((run / "tokenizer").absolute())
     assert (model_cfg.dropout, model_cfg.num_kv_heads, train_cfg.init_from) == (0.1, 2, str(run))
 
 
@@ -409,8 +414,9 @@ def test_a_new_run_starts_from_imported_weights_and_resumes(tmp_path, small_stor
     assert "starting from the weights of" in capsys.readouterr().out
     saved = json.loads((new / "config.json").read_text())
     assert saved["train"]["init_from"] == str(imported)
-    assert saved["model"]["tokenizer"] == VOCABULARY  # its own copy of the vocabulary
-    assert (new / VOCABULARY).read_bytes() == (imported / VOCABULARY).read_bytes()
+    assert saved["model"]["tokenizer"] == "tokenizer"  # its own copy of the tokenizer
+    assert (new / "tokenizer" / "tokenizer.json").read_bytes() == (
+        imported / "tokenizer" / "tokenizer.json").read_bytes()
     # two steps at a learning rate of 1e-9 leave the imported weights (a fresh model would not
     # be anywhere near them)
     start = load_run(imported).model

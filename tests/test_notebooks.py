@@ -1,6 +1,8 @@
 """The notebooks run top to bottom (with MINIGPT_SMALL=1) and say what their prose promises."""
 
 import json
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,28 @@ def test_each_notebook_opens_in_colab_and_installs_itself(name):
     assert len(prose) >= 5  # a walkthrough explains between its cells
     assert all(c.get("outputs") for c in cells if c["cell_type"] == "code"
                and "print(" in "".join(c["source"])), "saved outputs from a real run"
+
+
+def test_the_repository_address_is_the_one_in_pyproject():
+    """pyproject.toml's [project.urls] Repository is the one address: every notebook's Colab
+    badge opens the notebook from it, every install cell clones it, and any GitHub or Colab
+    link in the README and the guides points at it."""
+    root = NOTEBOOK_DIR.parent
+    url = tomllib.loads((root / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+    repo = url.removeprefix("https://github.com/")
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", repo), url
+    for name in NOTEBOOKS:
+        cells = json.loads((NOTEBOOK_DIR / name).read_text())["cells"]
+        badge, install = "".join(cells[0]["source"]), "".join(cells[2]["source"])
+        assert f"colab.research.google.com/github/{repo}/blob/main/notebooks/{name}" in badge
+        assert f'"{url}"' in install, name
+        for cell in (badge, install):
+            assert set(re.findall(r"(?:github\.com|google\.com/github)/([\w.-]+/[\w.-]+)",
+                                  cell)) == {repo}, name
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        linked = set(re.findall(r"(?:github\.com|google\.com/github)/([\w.-]+/[\w.-]+)",
+                                page.read_text()))
+        assert linked <= {repo}, (page.name, linked)
 
 
 # Executing the notebooks is part of the slower set (`python -m pytest -m slow`); the checks

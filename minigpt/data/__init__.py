@@ -29,6 +29,7 @@ from minigpt.data import download, prepare
 from minigpt.data.token_files import DataError, load_meta
 from minigpt.data.vocabulary import train_tokenizer
 from minigpt.files import sha256
+from minigpt.runtime import plain_warnings
 from minigpt.tokenizer import (
     DEFAULT_TOKENIZER,
     TokenizerError,
@@ -42,10 +43,13 @@ DATASETS = {"tinystories": "v1", "tinystories-v1": "v1", "tinystories-v2": "v2"}
 
 def _tokenizer_suffix(tokenizer: str) -> str:
     """What a prepared directory's name gains for a tokenizer other than GPT-2's: its name, and
-    for a ranks file of one's own (an imported vocabulary is always `vocabulary.tiktoken`) the
-    start of its hash, so two vocabularies never share a directory."""
+    for a file or folder of one's own (an imported vocabulary) the start of its hash, so two
+    vocabularies never share a directory."""
     if tokenizer == DEFAULT_TOKENIZER:
         return ""
+    folder = Path(tokenizer) / "tokenizer.json"
+    if folder.is_file():
+        return f"-{Path(tokenizer).name}-{sha256(folder)[:8]}"
     path = ranks_file(tokenizer)
     if path is None:
         return f"-{tokenizer}"
@@ -189,18 +193,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "prepare" and args.dataset and args.val_fraction is not None:
         parser.error("--val-fraction applies to --text; TinyStories has a validation file")
     try:
-        if args.command == "tokenizer":
-            return _train_command(args)
-        load_tokenizer(args.tokenizer)  # a bad name fails before any download
-        if args.dataset:
-            out = prepare_tinystories(args.out, args.version, tokenizer=args.tokenizer)
-        else:
-            out = prepare_text(args.text, args.out, val_fraction=args.val_fraction,
-                               tokenizer=args.tokenizer)
-        meta = load_meta(out)
+        with plain_warnings():
+            if args.command == "tokenizer":
+                return _train_command(args)
+            load_tokenizer(args.tokenizer)  # a bad name fails before any download
+            if args.dataset:
+                out = prepare_tinystories(args.out, args.version, tokenizer=args.tokenizer)
+            else:
+                out = prepare_text(args.text, args.out, val_fraction=args.val_fraction,
+                                   tokenizer=args.tokenizer)
+            meta = load_meta(out)
     except (DataError, TokenizerError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130

@@ -1,7 +1,9 @@
 """Pre-tokenization: story text files in; token files `train.bin`, `val.bin` and `meta.json` out.
 
-Each story is encoded once and followed by the document separator token (`<|endoftext|>`, 50256
-for GPT-2), so the token files are the stories' concatenated stream: no padding, nothing lost.
+Each story is encoded once and followed by the tokenizer's end token (`<|endoftext|>`, 50256 for
+GPT-2; an imported model's own, such as Llama 3's `<|end_of_text|>`), and preceded by its begin
+token where its tokenizer adds one (Llama's), so the token files are the stories' concatenated
+stream: no padding, nothing lost, no id the vocabulary lacks.
 Files are read in batches of whole stories (`minigpt.data.stories`, which also says how a file is
 split into stories) and encoded with tiktoken's thread-parallel batch encoder, so a 2 GB source
 never sits in memory as one string or one list of tokens. Without an official validation file,
@@ -56,15 +58,22 @@ class _TokenFile:
         self.file = open(self.tmp, "wb")
         self.tokens = self.stories = 0
 
-    def write(self, token_lists: Sequence[list[int]], eot: int) -> None:
-        total = sum(map(len, token_lists)) + len(token_lists)
+    def write(self, token_lists: Sequence[list[int]], enc) -> None:
+        """Each story's tokens, after the tokenizer's begin token (if it has one, as Llama's)
+        and before its end token (if it has one)."""
+        ends = [t for t in (enc.bos_token, enc.eot_token) if t is not None]
+        total = sum(map(len, token_lists)) + len(ends) * len(token_lists)
         flat = np.empty(total, self.dtype)
         i = 0
         for tokens in token_lists:
+            if enc.bos_token is not None:
+                flat[i] = enc.bos_token
+                i += 1
             flat[i:i + len(tokens)] = tokens
             i += len(tokens)
-            flat[i] = eot
-            i += 1
+            if enc.eot_token is not None:
+                flat[i] = enc.eot_token
+                i += 1
         self.file.write(flat.tobytes())
         self.tokens += total
         self.stories += len(token_lists)
@@ -134,12 +143,11 @@ def _tokenize(files: list[StoryFile], splits_of: list[str], splits: dict[str, _T
                 tokens = enc.encode_ordinary_batch(stories, num_threads=os.cpu_count() or 1)
                 if split == "train+val":
                     val = _held_out(seen, len(stories), fraction)
-                    splits["train"].write([t for t, v in zip(tokens, val) if not v],
-                                          enc.eot_token)
-                    splits["val"].write([t for t, v in zip(tokens, val) if v], enc.eot_token)
+                    splits["train"].write([t for t, v in zip(tokens, val) if not v], enc)
+                    splits["val"].write([t for t, v in zip(tokens, val) if v], enc)
                     seen += len(stories)
                 else:
-                    splits[split].write(tokens, enc.eot_token)
+                    splits[split].write(tokens, enc)
                 bar.update(nbytes)
             path = story_file.path
             if story_file.stories == 0:
@@ -178,6 +186,10 @@ def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
         return load_meta(out_dir)
 
     enc = load_tokenizer(tokenizer)
+    if enc.eot_token is None and enc.bos_token is None:
+        raise DataError(f"the tokenizer {tokenizer} has neither an end nor a begin token, so "
+                        f"documents cannot be told apart in the token stream: give it one "
+                        f"(eos_token in its tokenizer_config.json)")
     dtype = np.dtype(np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32)
     files = [StoryFile(path, complete=complete) for path, _ in inputs]  # fails fast on bad files
     fraction = Fraction(val_fraction).limit_denominator(10_000)
@@ -202,7 +214,8 @@ def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
 
     meta = {
         **settings,
-        "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "dtype": dtype.name,
+        "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "bos_token": enc.bos_token,
+        "dtype": dtype.name,
         "separator": SEPARATOR,
         "train_tokens": splits["train"].tokens, "train_stories": splits["train"].stories,
         "val_tokens": splits["val"].tokens, "val_stories": splits["val"].stories,

@@ -99,6 +99,14 @@ def llama_tensors(cfg: ModelConfig) -> list[Tensor]:
     if cfg.qk_norm:  # Qwen3
         out += [Tensor((*block, "attention", f"{x}_norm", "scale"),
                        f"{layer}.self_attn.{x}_norm.weight", (cfg.head_dim,)) for x in "qk"]
+    if cfg.qkv_bias:  # Qwen2
+        out += [Tensor((*block, "attention", ours, "bias"), f"{layer}.self_attn.{hf}.bias",
+                       (rows,)) for ours, hf, rows in (("query", "q_proj", q),
+                                                       ("key", "k_proj", kv),
+                                                       ("value", "v_proj", kv))]
+    if cfg.out_bias:
+        out.append(Tensor((*block, "attention", "out", "bias"), f"{layer}.self_attn.o_proj.bias",
+                          (D,)))
     if not cfg.tie_embeddings:
         out.append(Tensor(("output", "kernel"), "lm_head.weight", (V, D), padded=True))
     return out
@@ -139,20 +147,39 @@ def model_config(hf: dict[str, Any]) -> ModelConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         return _gpt2_config(hf)
-    if kind == "llama":
+    if kind in ("llama", "mistral"):
         return _llama_config(hf)
-    if kind == "qwen3":
+    if kind in ("qwen2", "qwen3"):
         _refuse(hf, "use_sliding_window", lambda v: not v,
                 "minigpt's llama attends to the whole context (no sliding window)")
         _refuse(hf, "layer_types", lambda v: v is None or set(v) <= {"full_attention"},
                 "minigpt's llama attends to the whole context in every layer")
-        # As transformers reads a Qwen3 config: `sliding_window` is ignored without
-        # `use_sliding_window`, and heads are 128 wide unless `head_dim` says otherwise.
-        hf = {**hf, "sliding_window": None, "head_dim": hf.get("head_dim") or 128}
-        return _llama_config(hf, qk_norm=True)
+        # As transformers reads a Qwen config: `sliding_window` is ignored without
+        # `use_sliding_window`; Qwen2 puts biases on the query, key and value projections;
+        # Qwen3's heads are 128 wide unless `head_dim` says otherwise.
+        hf = {**hf, "sliding_window": None}
+        if kind == "qwen2":
+            return _llama_config({**hf, "attention_bias": False}, qkv_bias=True)
+        return _llama_config({**hf, "head_dim": hf.get("head_dim") or 128}, qk_norm=True)
     raise HubError(f"config.json has model_type {kind!r}: minigpt imports 'gpt2' "
-                   f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM) and 'qwen3' "
-                   f"(Qwen3ForCausalLM)")
+                   f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM: Llama 2 and 3, TinyLlama, "
+                   f"SmolLM2), 'mistral', 'qwen2' and 'qwen3'")
+
+
+def _number(hf: dict[str, Any], field: str, default: Any, kind: type = int) -> Any:
+    """A number config.json gives (or its default): of the right type and positive, checked
+    before any arithmetic is done with it."""
+    value = hf.get(field)
+    if value is None:
+        return default
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    else:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e30
+    if not ok:
+        raise HubError(f"config.json has {field} = {json.dumps(value)}: expected a positive "
+                       f"{'integer' if kind is int else 'number'}")
+    return value
 
 
 def _refuse(hf: dict[str, Any], field: str, allowed: Callable[[Any], bool], why: str) -> None:
@@ -169,40 +196,64 @@ def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
     _refuse(hf, "add_cross_attention", lambda v: not v, "minigpt's gpt2 is a decoder only")
     _refuse(hf, "tie_word_embeddings", lambda v: v is True,
             "minigpt's gpt2 ties its output head to the token embedding")
-    D = hf.get("n_embd", 768)
-    return _built(arch="gpt2", vocab_size=hf.get("vocab_size", 50257),
-                  context_len=hf.get("n_positions", hf.get("n_ctx", 1024)), embed_dim=D,
-                  num_heads=hf.get("n_head", 12), mlp_dim=hf.get("n_inner") or 4 * D,
-                  num_layers=hf.get("n_layer", 12), dropout=0.0,
-                  norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+    D = _number(hf, "n_embd", 768)
+    return _built(arch="gpt2", vocab_size=_number(hf, "vocab_size", 50257),
+                  context_len=_number(hf, "n_positions", _number(hf, "n_ctx", 1024)),
+                  embed_dim=D, num_heads=_number(hf, "n_head", 12),
+                  mlp_dim=_number(hf, "n_inner", 4 * D), num_layers=_number(hf, "n_layer", 12),
+                  dropout=0.0, norm_eps=_number(hf, "layer_norm_epsilon", 1e-5, float))
 
 
-def _llama_config(hf: dict[str, Any], qk_norm: bool = False) -> ModelConfig:
+def _llama_config(hf: dict[str, Any], qk_norm: bool = False,
+                  qkv_bias: bool = False) -> ModelConfig:
     _refuse(hf, "hidden_act", lambda v: v == "silu", "minigpt's llama uses SwiGLU with silu")
-    _refuse(hf, "rope_scaling", lambda v: v is None,
-            "minigpt's llama implements plain rotary embeddings, no rope scaling")
-    _refuse(hf, "attention_bias", lambda v: not v, "minigpt's llama has no attention biases")
     _refuse(hf, "mlp_bias", lambda v: not v, "minigpt's llama has no MLP biases")
-    _refuse(hf, "sliding_window", lambda v: v is None,
-            "minigpt's llama attends to the whole context (no sliding window)")
-    # transformers 5 writes the rotary settings as `rope_parameters`; earlier files as
-    # `rope_theta` (and `rope_scaling`).
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise HubError(f"config.json has rope_parameters.rope_type = "
-                       f"{json.dumps(rope['rope_type'])}: minigpt's llama implements plain "
-                       f"rotary embeddings, no rope scaling")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 1e4))
-    D, N = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
-    head_dim = hf.get("head_dim") or D // N
-    return _built(arch="llama", vocab_size=hf.get("vocab_size", 32000),
-                  context_len=hf.get("max_position_embeddings", 2048), embed_dim=D,
-                  num_heads=N, num_kv_heads=hf.get("num_key_value_heads") or N,
-                  mlp_dim=hf.get("intermediate_size", 11008),
-                  num_layers=hf.get("num_hidden_layers", 32), dropout=0.0,
-                  norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+    D, N = _number(hf, "hidden_size", 4096), _number(hf, "num_attention_heads", 32)
+    context = _number(hf, "max_position_embeddings", 2048)
+    _refuse(hf, "sliding_window", lambda v: v is None or (isinstance(v, int) and v >= context),
+            "minigpt's llama attends to the whole context (a sliding window shorter than the "
+            "context is not implemented)")
+    attention_bias = hf.get("attention_bias", False)
+    if not isinstance(attention_bias, bool):
+        raise HubError(f"config.json has attention_bias = {json.dumps(attention_bias)}: "
+                       f"expected true or false")
+    head_dim = _number(hf, "head_dim", D // N)
+    return _built(arch="llama", vocab_size=_number(hf, "vocab_size", 32000),
+                  context_len=context, embed_dim=D,
+                  num_heads=N, num_kv_heads=_number(hf, "num_key_value_heads", N),
+                  mlp_dim=_number(hf, "intermediate_size", 11008),
+                  num_layers=_number(hf, "num_hidden_layers", 32), dropout=0.0,
+                  norm_eps=_number(hf, "rms_norm_eps", 1e-6, float),
                   head_size=0 if head_dim * N == D else head_dim,
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm)
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm,
+                  qkv_bias=qkv_bias or attention_bias, out_bias=attention_bias,
+                  **_rope_fields(hf))
+
+
+def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rotary settings: transformers 5 writes them as `rope_parameters` (theta and scaling
+    together), earlier versions as `rope_theta` and `rope_scaling` (its kind as `rope_type`, or
+    `type` in older files). Llama 3's "llama3" scaling and "linear" are implemented; others
+    ("dynamic", "yarn", "longrope", ...) are refused by name."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise HubError(f"config.json has rope settings {json.dumps(rope)[:80]}: expected an "
+                       f"object")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    theta = _number(rope, "rope_theta", _number(hf, "rope_theta", 1e4, float), float)
+    if kind == "default":
+        return {"rope_theta": theta}
+    if kind not in ("llama3", "linear"):
+        raise HubError(f"config.json has rope_type {json.dumps(kind)}: minigpt implements "
+                       f"plain rotary embeddings and the 'llama3' and 'linear' scalings")
+    fields = {"rope_theta": theta, "rope_scaling": kind,
+              "rope_factor": _number(rope, "factor", 1.0, float)}
+    if kind == "llama3":
+        fields |= {"rope_low_freq": _number(rope, "low_freq_factor", 1.0, float),
+                   "rope_high_freq": _number(rope, "high_freq_factor", 4.0, float),
+                   "rope_original_context": _number(rope, "original_max_position_embeddings",
+                                                    8192)}
+    return fields
 
 
 def _built(**fields: Any) -> ModelConfig:
@@ -212,7 +263,8 @@ def _built(**fields: Any) -> ModelConfig:
         raise HubError(f"config.json describes a model minigpt cannot build: {error}") from None
 
 
-def hf_config(cfg: ModelConfig, eos: int | None, bos: int | None) -> dict[str, Any]:
+def hf_config(cfg: ModelConfig, eos: int | list[int] | None,
+              bos: int | None) -> dict[str, Any]:
     """The config.json transformers needs for our model."""
     common = {"vocab_size": cfg.vocab_size, "torch_dtype": "float32",
               "bos_token_id": bos, "eos_token_id": eos}
@@ -226,22 +278,39 @@ def hf_config(cfg: ModelConfig, eos: int | None, bos: int | None) -> dict[str, A
                 "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                 "tie_word_embeddings": True, **common}
-    if cfg.arch == "llama" and cfg.qk_norm:  # Llama's decoder with query and key norms
-        return {**hf_config(dataclasses.replace(cfg, qk_norm=False), eos, bos),
-                "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                "use_sliding_window": False, "sliding_window": None,
+    if cfg.arch != "llama":
+        raise HubError(f"a {cfg.arch!r} model cannot be exported: no Hugging Face class "
+                       f"computes it (minigpt's own architecture normalises after each "
+                       f"sublayer); gpt2 and llama models can")
+    if cfg.out_bias and not cfg.qkv_bias:
+        raise HubError("a llama with a bias on the attention's output projection alone has no "
+                       "Hugging Face class (Llama's attention_bias puts one on all four)")
+    rope = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope |= {"low_freq_factor": cfg.rope_low_freq, "high_freq_factor": cfg.rope_high_freq,
+                 "original_max_position_embeddings": cfg.rope_original_context}
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
+             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+             "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+             "max_position_embeddings": cfg.context_len, "rms_norm_eps": cfg.norm_eps,
+             # both spellings: transformers 5 reads the first, earlier versions the others
+             "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+             "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}
+             if cfg.rope_scaling else None,
+             "hidden_act": "silu", "attention_bias": cfg.out_bias, "mlp_bias": False,
+             "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, **common}
+    if cfg.qk_norm or (cfg.qkv_bias and not cfg.out_bias):  # Qwen3 (query and key norms)
+        qwen = {"use_sliding_window": False, "sliding_window": None,  # or Qwen2 (qkv biases)
                 "layer_types": ["full_attention"] * cfg.num_layers}
-    if cfg.arch == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
-                "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                "max_position_embeddings": cfg.context_len, "rms_norm_eps": cfg.norm_eps,
-                # both spellings: transformers 5 reads the first, earlier versions the second
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-                "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-                "tie_word_embeddings": cfg.tie_embeddings, **common}
-    raise HubError(f"a {cfg.arch!r} model cannot be exported: no Hugging Face class computes "
-                   f"it (minigpt's own architecture normalises after each sublayer); gpt2 and "
-                   f"llama models can")
+        if cfg.qk_norm:
+            if cfg.qkv_bias != cfg.out_bias:
+                raise HubError("Qwen3's attention_bias puts biases on all four projections or "
+                               "none: this model's cannot be written as Qwen3ForCausalLM")
+            return {**llama, **qwen, "architectures": ["Qwen3ForCausalLM"],
+                    "model_type": "qwen3"}
+        return {**llama, **qwen, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    return llama
+

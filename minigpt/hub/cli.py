@@ -10,7 +10,7 @@ from minigpt import sharding
 from minigpt.config import ConfigError
 from minigpt.hub.architectures import HubError
 from minigpt.hub.convert import export_run, import_checkpoint
-from minigpt.runtime import log, set_simulated_devices
+from minigpt.runtime import log, plain_warnings, set_simulated_devices
 from minigpt.tokenizer import TokenizerError
 
 
@@ -34,19 +34,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "devices", 0):
         set_simulated_devices(args.devices)
     try:
-        if args.verb == "import":
-            summary = import_checkpoint(args.source, args.out, preset_name=args.preset,
-                                        revision=args.revision)
-            cfg = summary["config"]
-            log(f"imported {args.source} ({cfg.arch}, {summary['params']:,} parameters, "
-                f"tokenizer {cfg.tokenizer}) into {summary['out']}; tell a story with: "
-                f"python -m minigpt.generate --run {summary['out']}")
-        else:
-            summary = export_run(args.run, args.out,
-                                 max_file_bytes=int(args.max_file_size * 2**30))
-            log(f"exported {args.run} (step {summary['step']}, "
-                f"{summary['bytes'] / 2**20:,.1f} MiB of float32 weights) to {summary['out']}")
+        with plain_warnings():
+            return _run(args)
     except (HubError, ConfigError, sharding.PresetError, TokenizerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.verb == "import":
+        summary = import_checkpoint(args.source, args.out, preset_name=args.preset,
+                                    revision=args.revision)
+        cfg = summary["config"]
+        log(f"imported {args.source} ({cfg.arch}, {summary['params']:,} parameters, "
+            f"tokenizer {cfg.tokenizer}) into {summary['out']}; tell a story with: "
+            f"python -m minigpt.generate --run {summary['out']}")
+    else:
+        summary = export_run(args.run, args.out, max_file_bytes=int(args.max_file_size * 2**30))
+        log(f"exported {args.run} (step {summary['step']}, "
+            f"{summary['bytes'] / 2**20:,.1f} MiB of float32 weights) to {summary['out']}")
     return 0

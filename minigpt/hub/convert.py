@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,7 +38,7 @@ from flax import nnx
 from minigpt import sharding
 from minigpt.checkpoint import Checkpointer, key_names
 from minigpt.config import ModelConfig
-from minigpt.files import sha256, write_text_atomic
+from minigpt.files import write_text_atomic
 from minigpt.hub import tokenizer_export, tokenizer_files
 from minigpt.hub.architectures import (
     IGNORED_SUFFIXES,
@@ -49,16 +50,16 @@ from minigpt.hub.architectures import (
     to_hf,
     to_ours,
 )
-from minigpt.hub.safetensors import Checkpoint, WeightsError
+from minigpt.hub.safetensors import Checkpoint, WeightsError, resolve_inside
 from minigpt.hub.safetensors import save as save_weights
 from minigpt.models import build_model, count_params
-from minigpt.runs import LOAD_ERRORS, VOCABULARY, RunDir, load_run
-from minigpt.tokenizer import TokenizerError, load_tokenizer
+from minigpt.runs import LOAD_ERRORS, RunDir, load_run
+from minigpt.tokenizer import HFTokenizer, load_tokenizer
 
 # What a Hub download fetches: the config, the weights, the tokenizer files.
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-             "vocab.json", "merges.txt", "tokenizer.model"]
+             "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja"]
 READABLE = (np.float32, np.float16, "bfloat16")
 
 
@@ -100,13 +101,18 @@ def _first_line(error: BaseException) -> str:
 
 
 def read_config(directory: Path) -> dict[str, Any]:
+    """A Hugging Face config.json, which must be a JSON object (its fields are checked where
+    they are read, `architectures.model_config`)."""
     try:
-        return json.loads((directory / "config.json").read_text())
+        config = json.loads((directory / "config.json").read_text())
     except FileNotFoundError:
         raise HubError(f"{directory} has no config.json: is it a Hugging Face model "
                        f"directory?") from None
-    except ValueError as error:
+    except (OSError, ValueError) as error:
         raise HubError(f"{directory / 'config.json'} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise HubError(f"{directory / 'config.json'} is not a JSON object")
+    return config
 
 
 class Source:
@@ -206,50 +212,42 @@ def load_sharded(source: Source, cfg: ModelConfig, preset: sharding.Preset, mesh
     return nnx.merge(graphdef, state)
 
 
-def import_tokenizer(directory: Path, cfg: ModelConfig, out: Path, source: str) -> str:
-    """The tokenizer name for the run's model config: tiktoken's `gpt2` for GPT-2's own
-    vocabulary, otherwise `tokenizer.json` converted into the run directory (written there)."""
-    path = directory / "tokenizer.json"
-    if cfg.arch == "gpt2" and cfg.vocab_size == 50257 and not path.is_file():
+def import_tokenizer(directory: Path, hf: dict[str, Any], cfg: ModelConfig,
+                     run: Path) -> str:
+    """The run's tokenizer: the checkpoint's own tokenizer files, copied into the run and read
+    by the `tokenizers` library (`tokenizer_files`); tiktoken's `gpt2` for a GPT-2 checkpoint
+    that carries no tokenizer.json."""
+    if (directory / "tokenizer.json").is_file() or (directory / "tokenizer.json").is_symlink():
+        tokenizer_files.import_tokenizer_files(directory, hf, run, cfg.vocab_size,
+                                               lambda path, name: _inside(directory, name))
+        return tokenizer_files.FOLDER
+    if cfg.arch == "gpt2" and cfg.vocab_size == 50257:
         return "gpt2"
-    if not path.is_file():
-        sentencepiece = (directory / "tokenizer.model").is_file()
-        raise HubError(f"{directory} has no tokenizer.json" + (
-            " (only tokenizer.model: a SentencePiece tokenizer, which minigpt does not load; "
-            "its runtime tokenizer is tiktoken, which needs byte-level BPE)" if sentencepiece
-            else ""))
+    if (directory / "tokenizer.model").is_file():
+        raise HubError(f"{directory} has only tokenizer.model, SentencePiece's own format: "
+                       f"minigpt reads tokenizer.json, the tokenizers library's (transformers "
+                       f"writes one: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))")
+    raise HubError(f"{directory} has no tokenizer.json")
+
+
+def _inside(directory: Path, name: str) -> Path:
     try:
-        vocab = tokenizer_files.ranks_from_tokenizer_json(path)
-    except TokenizerError as error:
+        return resolve_inside(directory, name, f"the checkpoint's {name}")
+    except WeightsError as error:
         raise HubError(str(error)) from None
-    if cfg.arch == "gpt2" and _is_gpt2_vocabulary(vocab):
-        return "gpt2"
-    n_vocab = max([*vocab.ranks.values(), *vocab.special_tokens.values()]) + 1
-    if n_vocab > cfg.vocab_size:
-        raise HubError(f"{path} has {n_vocab:,} tokens but the model's vocabulary is "
-                       f"{cfg.vocab_size:,}: the checkpoint and its tokenizer disagree")
-    tokenizer_files.save_as_tiktoken(vocab, out / VOCABULARY,
-                                  {"source": source, "file": "tokenizer.json",
-                                   "sha256": sha256(path)})
-    return VOCABULARY
-
-
-def _is_gpt2_vocabulary(vocab) -> bool:
-    try:
-        gpt2 = load_tokenizer("gpt2")
-    except TokenizerError:
-        return False
-    return vocab.ranks == gpt2.ranks and vocab.special_tokens == gpt2.special_tokens
 
 
 @contextlib.contextmanager
 def _new_directory(out: Path):
     """A temporary directory beside `out` to assemble it in, moved into place when the block
-    ends well and removed otherwise: `out` is written whole or not at all, never over files."""
-    if out.exists() and any(out.iterdir()):
-        raise HubError(f"{out} already exists and is not empty: choose a new --out")
+    ends well and removed otherwise: `out` is written whole or not at all, never over files.
+    It gets the permissions any new directory gets (the umask's), not a temporary one's."""
+    check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         yield staging
         if out.exists():
@@ -257,6 +255,14 @@ def _new_directory(out: Path):
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_out(out: Path) -> None:
+    """Refuse an output path that is a file, or a directory with anything in it."""
+    if out.exists() and not out.is_dir():
+        raise HubError(f"--out {out} is a file: choose a new directory")
+    if out.exists() and any(out.iterdir()):
+        raise HubError(f"{out} already exists and is not empty: choose a new --out")
 
 
 def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
@@ -267,8 +273,7 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
     assembled in a temporary directory beside `out` and renamed into place when complete.
     """
     out = Path(out)
-    if out.exists() and any(out.iterdir()):  # before a download, not only before writing
-        raise HubError(f"{out} already exists and is not empty: choose a new --out")
+    check_out(out)  # before a download, not only before writing
     directory = fetch(source, revision)
     hf = read_config(directory)
     cfg = model_config(hf)
@@ -276,7 +281,7 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
     preset = sharding.load_preset(preset_name)
     mesh = sharding.make_mesh(preset)
     with _new_directory(out) as staging:
-        tokenizer = import_tokenizer(directory, cfg, staging, source)
+        tokenizer = import_tokenizer(directory, hf, cfg, staging)
         cfg = dataclasses.replace(cfg, tokenizer=tokenizer)
         model = load_sharded(weights, cfg, preset, mesh)
         record = {"source": source, "revision": revision, "directory": str(directory),
@@ -317,17 +322,20 @@ def hf_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def export_run(run: str | Path, out: str | Path, *, max_file_bytes: int = 2 * 2**30) -> dict:
-    """Write a run's latest weights as a Hugging Face model directory; returns a summary."""
+    """Write a run's latest weights as a Hugging Face model directory; returns a summary.
+    An imported run's tokenizer files go back as they came in; the zoo's own tokenizers are
+    written as tokenizer.json (`tokenizer_export`)."""
     out = Path(out)
+    check_out(out)
     try:
         cfg = RunDir(run).read().model
         enc = load_tokenizer(cfg.tokenizer)
     except LOAD_ERRORS as error:
         raise HubError(str(error)) from None
-    specials = enc.special_tokens
-    eos = specials.get("<|endoftext|>", specials.get("<|im_end|>"))
-    eos_token = next((t for t, i in specials.items() if i == eos), None)
-    config = hf_config(cfg, eos=eos, bos=eos if cfg.arch == "gpt2" else None)
+    ids = tokenizer_files.special_ids(enc)
+    if cfg.arch == "gpt2" and ids["bos_token_id"] is None:
+        ids["bos_token_id"] = ids["eos_token_id"]  # GPT-2 begins with <|endoftext|> too
+    config = hf_config(cfg, eos=ids["eos_token_id"], bos=ids["bos_token_id"])
     try:
         loaded = load_run(run, "dp")
     except LOAD_ERRORS as error:
@@ -336,10 +344,15 @@ def export_run(run: str | Path, out: str | Path, *, max_file_bytes: int = 2 * 2*
     with _new_directory(out) as staging:
         files = save_weights(tensors, staging, max_file_bytes=max_file_bytes)
         write_text_atomic(staging / "config.json", json.dumps(config, indent=2) + "\n")
-        write_text_atomic(staging / "generation_config.json", json.dumps(
-            {"bos_token_id": config["bos_token_id"], "eos_token_id": eos}, indent=2) + "\n")
-        tokenizer_export.write_hf_tokenizer(enc, staging, model_max_length=cfg.context_len,
-                                        eos_token=eos_token,
-                                        bos_token=eos_token if cfg.arch == "gpt2" else None)
+        if isinstance(enc, HFTokenizer):
+            tokenizer_files.export_tokenizer_files(enc, staging, cfg.context_len)
+        else:
+            write_text_atomic(staging / "generation_config.json", json.dumps(ids, indent=2)
+                              + "\n")
+            eos_token = next((t for t, i in enc.special_tokens.items()
+                              if i == ids["eos_token_id"]), None)
+            tokenizer_export.write_hf_tokenizer(
+                enc, staging, model_max_length=cfg.context_len, eos_token=eos_token,
+                bos_token=eos_token if cfg.arch == "gpt2" else None)
     return {"out": out, "step": loaded.step, "files": [out / f.name for f in files],
             "bytes": sum(t.nbytes for t in tensors.values())}

@@ -1,22 +1,32 @@
 """Safetensors files, the format Hugging Face checkpoints use: read memory-mapped, written whole.
 
 A file is an 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape
-and byte range, then the bytes. Reading maps the file into memory and hands out NumPy views, so
-a tensor is read from disk only when (and where) it is sliced: loading one device's shard of a
-parameter touches only those bytes. A checkpoint larger than one file is several files and a
+and byte range, then the bytes. A checkpoint larger than one file is several files and a
 `model.safetensors.index.json` saying which file holds which tensor; `Checkpoint` reads both
 layouts the same way.
 
-The format is small enough that reading it ourselves is simpler than the `safetensors` package's
-NumPy API, which has no bfloat16; the tests check both against that package.
+Checkpoint folders come from strangers, so this is the one door their bytes come in by. A
+header is checked whole when its file is opened, before any tensor exists (a bounded length, a
+JSON object, known dtypes, byte counts that match dtype x shape, byte ranges inside the data and
+never shared), and the files an index names must stay inside the folder (or, in a Hugging Face
+cache, in that repository's blobs), checked before anything is opened. A refusal is one-line
+`WeightsError` naming the file, tensor or index entry, and never showing the bytes of anything.
+
+We read the format ourselves, though the `safetensors` package reads it too (the tests check the
+two agree), because our reader hands out NumPy views of a memory-mapped file: transposes, splits
+and reshapes compose on the views before a device's slice is taken, so loading one device's
+shard of a parameter reads only that shard's bytes from disk.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -31,46 +41,46 @@ DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32),
           "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
           "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own bound; real headers are kilobytes
+MAX_RANK = 32  # NumPy 1's bound on an array's dimensions; no checkpoint comes near it
 
 
 class WeightsError(RuntimeError):
     """A weights file is missing, damaged or not what its header says; the message says which."""
 
 
+class _Invalid(Exception):
+    """What is wrong with a file, said without the file's name, which the caller adds."""
+
+
+class Entry(NamedTuple):
+    """One tensor as a checked header describes it: bytes [begin, end) of the data section."""
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
 class SafetensorsFile:
-    """One .safetensors file, memory-mapped: `file[name]` is a read-only NumPy view."""
+    """One .safetensors file, checked whole when opened, then memory-mapped: `file[name]` is a
+    read-only NumPy view."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
             with self.path.open("rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                if length > size - 8:
-                    raise ValueError(f"header of {length:,} bytes in a {size:,}-byte file")
-                header = json.loads(f.read(length))
-        except (OSError, ValueError, struct.error) as error:  # JSONDecodeError is a ValueError
-            raise WeightsError(f"{self.path} is not a readable safetensors file "
-                               f"({type(error).__name__}: {error})") from None
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self.entries: dict[str, dict] = header
-        data_size = size - 8 - length
-        for name, entry in header.items():
-            begin, end = entry["data_offsets"]
-            if entry["dtype"] not in DTYPES:
-                raise WeightsError(f"{self.path}: tensor {name} has dtype {entry['dtype']}, "
-                                   f"which minigpt does not read")
-            itemsize = DTYPES[entry["dtype"]].itemsize
-            expected = int(np.prod(entry["shape"], dtype=np.int64)) * itemsize
-            if end - begin != expected:
-                raise WeightsError(f"{self.path}: tensor {name} holds {end - begin:,} bytes but "
-                                   f"its shape {entry['shape']} needs {expected:,}")
-            if end > data_size:
-                raise WeightsError(f"{self.path} is truncated: tensor {name} ends at byte "
-                                   f"{end:,} of a {data_size:,}-byte data section (an "
-                                   f"interrupted download? fetch the file again)")
-        self._data = (np.memmap(self.path, np.uint8, mode="r", offset=8 + length)
-                      if data_size else np.zeros(0, np.uint8))
+                size = os.fstat(f.fileno()).st_size
+                length, header = _read_header(f, size)
+                data_size = size - 8 - length
+                self.metadata, self.entries = _check_header(header, data_size)
+                # the file already open is mapped: a path swapped after the checks changes nothing
+                self._data = (np.memmap(f, np.uint8, mode="r", offset=8 + length,
+                                        shape=(data_size,))
+                              if data_size else np.zeros(0, np.uint8))
+        except _Invalid as problem:
+            raise WeightsError(f"{self.path}: {problem}") from None
+        except OSError as error:
+            raise WeightsError(f"{self.path} cannot be read ({error.strerror or error})") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -79,15 +89,123 @@ class SafetensorsFile:
         return list(self.entries)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entries[name]["shape"])
+        return self.entries[name].shape
 
     def dtype(self, name: str) -> np.dtype:
-        return DTYPES[self.entries[name]["dtype"]]
+        return self.entries[name].dtype
 
     def __getitem__(self, name: str) -> np.ndarray:
         entry = self.entries[name]
-        begin, end = entry["data_offsets"]
-        return self._data[begin:end].view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return self._data[entry.begin:entry.end].view(entry.dtype).reshape(entry.shape)
+
+
+def _read_header(f, size: int) -> tuple[int, Any]:
+    """The header's length and parsed JSON; a length no real file has is refused unread."""
+    if size < 8:
+        raise _Invalid(f"the file is truncated: {size} bytes cannot hold the 8-byte header "
+                       f"length (an interrupted download? fetch the file again)")
+    (length,) = struct.unpack("<Q", f.read(8))
+    if length > MAX_HEADER_BYTES:
+        raise _Invalid(f"its first 8 bytes announce a header of {length:,} bytes, beyond the "
+                       f"{MAX_HEADER_BYTES:,} any safetensors file has: is it one?")
+    raw = f.read(length)
+    if len(raw) < length:
+        raise _Invalid(f"the file is truncated: its header needs {length:,} bytes but "
+                       f"{len(raw):,} follow (an interrupted download? fetch the file again)")
+    return length, _parse_json(raw, "the header")
+
+
+def _check_header(header: Any, data_size: int) -> tuple[dict[str, str], dict[str, Entry]]:
+    if not isinstance(header, dict):
+        raise _Invalid(f"the header is a JSON {_kind(header)}, not an object naming tensors")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null is what the safetensors package reads
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise _Invalid("the header's __metadata__ is not an object of strings")
+    entries = {name: _check_entry(f"tensor {_quote(name)}", entry, data_size)
+               for name, entry in header.items()}
+    _check_disjoint(entries)
+    return metadata, entries
+
+
+def _check_entry(what: str, entry: Any, data_size: int) -> Entry:
+    if not isinstance(entry, dict):
+        raise _Invalid(f"{what} is a JSON {_kind(entry)}, not an object of dtype, shape and "
+                       f"data_offsets")
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+    if missing:
+        raise _Invalid(f"{what} has no {' and no '.join(missing)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise _Invalid(f"{what} has dtype {_quote(dtype)}, which minigpt does not read (it "
+                       f"reads {', '.join(DTYPES)})")
+    if not (isinstance(shape, list) and len(shape) <= MAX_RANK
+            and all(type(n) is int and n >= 0 for n in shape)):  # bool is not int here
+        raise _Invalid(f"{what} has shape {_quote(shape)}, not a list of at most {MAX_RANK} "
+                       f"non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(type(n) is int for n in offsets)):
+        raise _Invalid(f"{what} has data_offsets {_quote(offsets)}, not two integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise _Invalid(f"{what} has data_offsets {_quote(offsets)}, not 0 <= begin <= end")
+    itemsize = DTYPES[dtype].itemsize
+    if end - begin != math.prod(shape) * itemsize:
+        raise _Invalid(f"{what} holds {end - begin:,} bytes but its shape {_quote(shape)} of "
+                       f"{dtype} needs {math.prod(shape) * itemsize:,}")
+    if math.prod(n for n in shape if n) * itemsize >= 2**63:  # NumPy's bound, even when empty
+        raise _Invalid(f"{what} has shape {_quote(shape)}, larger than any array can be")
+    if end > data_size:
+        raise _Invalid(f"{what} ends at byte {end:,}, past the {data_size:,}-byte data section: "
+                       f"the file is truncated (an interrupted download? fetch it again) or "
+                       f"damaged")
+    return Entry(DTYPES[dtype], tuple(shape), begin, end)
+
+
+def _check_disjoint(entries: dict[str, Entry]) -> None:
+    """Refuse two tensors sharing bytes, which would hand one the other's values: sorted by
+    where they begin, each must end before the next begins (empty ones hold no bytes)."""
+    spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise _Invalid(f"tensors {_quote(first)} and {_quote(second)} share bytes {begin:,} "
+                           f"to {end:,}: each tensor needs bytes of its own (a damaged or "
+                           f"hand-made file)")
+
+
+def _parse_json(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError:
+        raise _Invalid(f"{what} is not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise _Invalid(f"{what} is not JSON ({error.msg} at byte {error.pos:,})") from None
+    except (ValueError, RecursionError):  # a number of thousands of digits, nesting too deep
+        raise _Invalid(f"{what} is JSON too deeply nested or with too long a number") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused if a key repeats: the second tensor of a name would hide the first."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _Invalid(f"{_quote(key)} appears twice in one JSON object")
+        obj[key] = value
+    return obj
+
+
+def _kind(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number",
+            float: "number"}.get(type(value), "null")
+
+
+def _quote(value: Any) -> str:
+    """A name or value from a file, on one line and cut short: the file may hold anything."""
+    if isinstance(value, dict) or (isinstance(value, list)
+                                   and any(isinstance(v, (dict, list)) for v in value)):
+        return f"a JSON {_kind(value)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Checkpoint:
@@ -98,22 +216,22 @@ class Checkpoint:
         directory = Path(directory)
         index = directory / INDEX
         self.files: dict[str, SafetensorsFile] = {}
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as error:
-                raise WeightsError(f"{index} is not a safetensors index ({error})") from None
-            opened = {}
+        if os.path.lexists(index):  # not following a link before checking where it leads
+            weight_map = _read_index(resolve_inside(directory, INDEX, str(index)), index)
+            paths = {file: resolve_inside(directory, file, f"{index} entry {_quote(name)}")
+                     for name, file in weight_map.items()}  # all checked before any is opened
+            for file, path in paths.items():
+                if not path.is_file():
+                    raise WeightsError(f"{index} names {_quote(file)}, which is not in "
+                                       f"{directory}")
+            opened = {file: SafetensorsFile(path) for file, path in paths.items()}
             for name, file in weight_map.items():
-                if file not in opened:
-                    if not (directory / file).is_file():
-                        raise WeightsError(f"{index} names {file}, which is not in {directory}")
-                    opened[file] = SafetensorsFile(directory / file)
                 if name not in opened[file]:
-                    raise WeightsError(f"{index} puts {name} in {file}, which does not hold it")
+                    raise WeightsError(f"{index} puts {_quote(name)} in {_quote(file)}, which "
+                                       f"does not hold it")
                 self.files[name] = opened[file]
-        elif (directory / SINGLE).is_file():
-            single = SafetensorsFile(directory / SINGLE)
+        elif os.path.lexists(directory / SINGLE):
+            single = SafetensorsFile(resolve_inside(directory, SINGLE, str(directory / SINGLE)))
             self.files = {name: single for name in single.keys()}
         else:
             found = sorted(p.name for p in directory.glob("*.bin")) + sorted(
@@ -136,6 +254,61 @@ class Checkpoint:
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.files[name][name]
+
+
+def _read_index(path: Path, shown: Path) -> dict[str, str]:
+    """An index's weight_map, from tensor names to the file names that hold them."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+        if len(raw) > MAX_HEADER_BYTES:
+            raise _Invalid(f"it is larger than {MAX_HEADER_BYTES:,} bytes")
+        index = _parse_json(raw, "it")
+        if not isinstance(index, dict):
+            raise _Invalid(f"it is a JSON {_kind(index)}, not an object with a weight_map")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise _Invalid(f"its weight_map is a JSON {_kind(weight_map)}, not an object from "
+                           f"tensor names to file names")
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise _Invalid(f"its weight_map gives tensor {_quote(name)} a JSON "
+                               f"{_kind(file)}, not a file name")
+        return weight_map
+    except _Invalid as problem:
+        raise WeightsError(f"{shown} is not a safetensors index: {problem}") from None
+    except OSError as error:
+        raise WeightsError(f"{shown} cannot be read ({error.strerror or error})") from None
+
+
+def resolve_inside(directory: Path, name: str, what: str) -> Path:
+    """The real path `name` leads to from `directory`, refused (naming `what`, and saying
+    nothing of what lies outside) unless it stays in the folder or, in a Hugging Face cache,
+    leads from a snapshot to that repository's blobs. Deciding follows links; it opens nothing."""
+    if (not name or "\0" in name or "\\" in name or PureWindowsPath(name).drive
+            or PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts):
+        raise WeightsError(f"{what} names {_quote(name)}, which is not a path relative to the "
+                           f"model folder; refusing it")
+    root = Path(os.path.realpath(directory))
+    target = Path(os.path.realpath(root / name))
+    if target.is_relative_to(root) or _hub_blob(root, target):
+        if target.exists() and not target.is_file():  # a FIFO, a device, a folder
+            raise WeightsError(f"{what} names {_quote(name)}, which is not a regular file")
+        return target
+    raise WeightsError(f"{what} names {_quote(name)}, which leads outside {directory}: minigpt "
+                       f"opens only files inside a model folder (or, in a Hugging Face cache, "
+                       f"the snapshot's own blobs), so it refuses it")
+
+
+def _hub_blob(root: Path, target: Path) -> bool:
+    """Whether `root` lies in a snapshot of a Hugging Face cache repository
+    (`models--owner--name/snapshots/<commit>/`) and `target` is one of that repository's
+    `blobs/`, where the cache keeps the bytes its snapshots' links point to."""
+    snapshot = next((p for p in (root, *root.parents) if p.parent.name == "snapshots"), None)
+    if snapshot is None:
+        return False
+    repo = snapshot.parent.parent
+    return repo.name.startswith("models--") and target.parent == repo / "blobs"
 
 
 def encode(tensors: dict[str, np.ndarray],

@@ -1,23 +1,53 @@
-"""minigpt's tokenizers as Hugging Face tokenizer files: the export half of
-`minigpt.hub.tokenizer_files`.
+"""The zoo's own tokenizers as Hugging Face tokenizer files, for export.
 
-A tiktoken encoding becomes a `tokenizer.json` that Hugging Face `tokenizers` loads and that
-encodes as the encoding does: the merges are recovered from the ranks (for each token, BPE run on
-its bytes with only lower ranks stops at the two pieces whose merge makes it), the split regex
-becomes a `Split` pre-tokenizer before a ByteLevel one without its own regex, and
-`ignore_merges` mirrors tiktoken's use of a whole piece that is itself a token.
-`write_hf_tokenizer` adds the files `transformers.AutoTokenizer` reads.
+A tiktoken encoding (`gpt2`, `tinystories-4k`) becomes a `tokenizer.json` that Hugging Face
+`tokenizers` loads and that encodes as the encoding does: the merges are recovered from the
+ranks (for each token, BPE run on its bytes with only lower ranks stops at the two pieces whose
+merge makes it), the split regex becomes a `Split` pre-tokenizer before a ByteLevel one without
+its own regex, and `ignore_merges` mirrors tiktoken's use of a whole piece that is itself a
+token. `write_hf_tokenizer` adds the files `transformers.AutoTokenizer` reads. (An imported
+checkpoint's own tokenizer files go back out as they came in: `minigpt.hub.tokenizer_files`.)
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from minigpt.files import write_text_atomic
-from minigpt.hub.tokenizer_files import bpe, token_str
 from minigpt.tokenizer import EOT, Encoding, TokenizerError
+
+
+@functools.cache
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable Latin-1 bytes stand for themselves, the other 68
+    bytes (controls, space, soft hyphen...) for chr(256), chr(257)... in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
+
+
+def token_str(token: bytes) -> str:
+    """Token bytes as a byte-level vocabulary string."""
+    table = byte_to_unicode()
+    return "".join(table[b] for b in token)
+
+
+def bpe(parts: list, priority: Callable) -> list:
+    """Merge adjacent parts, lowest priority first (leftmost on ties), until no pair has one."""
+    parts = list(parts)
+    found = [priority(left, right) for left, right in zip(parts, parts[1:])]  # pair i: i, i+1
+    while candidates := [(p, i) for i, p in enumerate(found) if p is not None]:
+        _, i = min(candidates)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        del found[i]
+        if i > 0:
+            found[i - 1] = priority(parts[i - 1], parts[i])
+        if i < len(found):
+            found[i] = priority(parts[i], parts[i + 1])
+    return parts
 
 
 def recover_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:

@@ -3,7 +3,7 @@
 `get_config("minigpt")` returns a frozen `ModelConfig`; `build_model(config, rngs=...)` builds the
 NNX module its `arch` names. Adding an architecture means one file in this package and one line in
 `ARCHITECTURES`; adding a size means one entry in `CONFIGS`. `python -m minigpt.models` lists the
-zoo with parameter counts.
+zoo with parameter counts (and, for a mixture of experts, the parameters one token uses).
 """
 
 from __future__ import annotations
@@ -59,6 +59,17 @@ CONFIGS: dict[str, ModelConfig] = {
     "minigpt-cpu": ModelConfig(arch="minigpt", **_STORIES, dropout=0.0, context_len=256,
                                embed_dim=128, num_heads=4, mlp_dim=512, num_layers=4,
                                scan_layers=False),
+    # A mixture of experts for tests: every layer sparse, 8 SwiGLU experts of width 64 (top 2)
+    # and a shared expert as Qwen2-MoE has; TinyStories' small vocabulary keeps it quick.
+    "moe-tiny": ModelConfig(**_LLAMA, **_STORIES, context_len=128, embed_dim=64, num_heads=8,
+                            num_kv_heads=4, mlp_dim=128, num_layers=2, num_experts=8,
+                            experts_per_token=2, expert_mlp_dim=64, shared_expert_mlp_dim=64),
+    # llama-cpu with each feed-forward made 8 experts of half its width, 2 per token: the same
+    # parameters per token (and FLOPs, the router aside) as llama-cpu, 4x its feed-forward
+    # parameters in all (bench/bench_moe.py compares them).
+    "moe-cpu": ModelConfig(**_LLAMA, **_STORIES, context_len=256, embed_dim=128, num_heads=4,
+                           num_kv_heads=4, mlp_dim=384, num_layers=4, scan_layers=False,
+                           num_experts=8, experts_per_token=2, expert_mlp_dim=192),
 }
 
 

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt import pipeline, sharding
+from minigpt import parallel, pipeline, sharding
 from minigpt.config import ModelConfig
 from minigpt.models import kernels, loss
-from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys
+from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys, token_keys
 from minigpt.sharding import constrain
 
 
@@ -41,8 +41,10 @@ class BlockStack(nnx.Module):
     deep the model is), otherwise as an unrolled loop over the stack's slices; under a preset
     that splits `layers` over several devices (a pipeline preset) training runs the model as a
     pipeline (`DecoderLM.pipelined_loss`), chunk by chunk (`run_chunk`), as the context's
-    pipeline settings say. A block is called as `block(x, positions, kv, keys) -> (x, kv)`;
-    layer i draws its dropout masks from every row's key folded with i. The stack owns the
+    pipeline settings say. A block is called as `block(x, positions, kv, keys) -> (x, kv)`, or
+    `(x, kv, report)` where it has something to report (a mixture of experts: the router's
+    penalties and counts, `minigpt.models.moe`), which the stack sums over its layers; layer i
+    draws its dropout masks from every row's key folded with i. The stack owns the
     layout of the key/value cache ([L, B, S, K, H] keys and values), so callers treat the
     cache as opaque.
     """
@@ -59,6 +61,7 @@ class BlockStack(nnx.Module):
         self.layers = stacked(rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None):
+        """(x, cache, the layers' reports summed: {} where the blocks report nothing)."""
         graphdef, params = nnx.split(self.layers)
         order = pipeline.positions_in_use(self.num_layers)
         if order is not None:  # the arrays hold a circular schedule's order: run the model's
@@ -66,18 +69,21 @@ class BlockStack(nnx.Module):
         return self._run(graphdef, params, x, positions, cache, keys, first_layer=0)
 
     def run_chunk(self, params, x: jax.Array, positions: jax.Array, keys: jax.Array | None,
-                  first_layer) -> jax.Array:
+                  first_layer) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Apply the consecutive layers whose stacked parameters are `params` (a slice of the
-        stack's state, [c, ...]), numbered from `first_layer`: one pipeline stage's chunk."""
-        return self._run(nnx.graphdef(self.layers), params, x, positions, None, keys,
-                         first_layer=first_layer)[0]
+        stack's state, [c, ...]), numbered from `first_layer`: one pipeline stage's chunk.
+        Returns its output and its layers' reports, summed."""
+        x, _, report = self._run(nnx.graphdef(self.layers), params, x, positions, None, keys,
+                                 first_layer=first_layer)
+        return x, report
 
     def _run(self, graphdef, params, x, positions, cache, keys, *, first_layer):
         """Apply the layers whose stacked parameters are `params`, numbered from first_layer."""
         def layer(x, layer_params, kv, index):
             block = nnx.merge(graphdef, layer_params)
-            x, kv = block(x, positions, kv, None if keys is None else fold_keys(keys, index))
-            return constrain(x, ACTIVATION_AXES), kv
+            x, kv, *report = block(x, positions, kv,
+                                   None if keys is None else fold_keys(keys, index))
+            return constrain(x, ACTIVATION_AXES), kv, (report[0] if report else {})
 
         if self.remat:
             layer = jax.checkpoint(layer)
@@ -85,16 +91,20 @@ class BlockStack(nnx.Module):
         indices = first_layer + jnp.arange(count)
         if self.scan:
             def body(x, xs):
-                return layer(x, *xs)
+                x, kv, report = layer(x, *xs)
+                return x, (kv, report)
 
-            return jax.lax.scan(body, x, (params, cache, indices))
-        new_cache = []
+            x, (cache, reports) = jax.lax.scan(body, x, (params, cache, indices))
+            return x, cache, jax.tree.map(lambda a: jnp.sum(a, axis=0), reports)
+        new_cache, reports = [], []
         for i in range(count):
-            x, kv = layer(x, jax.tree.map(lambda a, i=i: a[i], params),
-                          None if cache is None else jax.tree.map(lambda a, i=i: a[i], cache),
-                          indices[i])
+            x, kv, report = layer(x, jax.tree.map(lambda a, i=i: a[i], params),
+                                  None if cache is None else jax.tree.map(lambda a, i=i: a[i],
+                                                                          cache), indices[i])
             new_cache.append(kv)
-        return x, (None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_cache))
+            reports.append(report)
+        return (x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_cache),
+                jax.tree.map(lambda *a: functools.reduce(jnp.add, a), *reports))
 
     def init_cache(self, shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
         """Zeros for the keys and values of every layer: two arrays [L, B, S, K, H]."""
@@ -161,42 +171,78 @@ class DecoderLM(nnx.Module):
         global batch its own, so microbatches and pipeline stages draw the masks the whole
         batch would).
         """
+        return self.features_and_report(tokens, dropout_key=dropout_key)[0]
+
+    @_with_own_kernels
+    def features_and_report(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
+                            run_order: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`features`, and what the blocks reported, summed over the layers ({} for a dense
+        model; a mixture of experts' penalties and counts).
+
+        Under a preset that splits the sequence with load balancing the model runs its
+        positions in another order (`in_run_order`); the features come back in the tokens'
+        order, or, with `run_order` (tokens given in that order: the loss, a mean over
+        positions, needs no other), in that order.
+        """
         B, T = tokens.shape
+        order = parallel.sequence_order(T)
+        if order is not None and not run_order:
+            tokens = tokens[:, order]
         keys = dropout_key
         if keys is not None and keys.ndim == 0:
             keys = row_keys(keys, B)
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        positions = _positions(order, B, T)
+        keys = None if keys is None else token_keys(keys, positions)  # [B, T]
         # The embedding's dropout keys come after the layers' 0..L-1.
         embed_keys = None if keys is None else fold_keys(keys, self.config.num_layers)
         x = constrain(self.embed(tokens, positions, embed_keys), ACTIVATION_AXES)  # [B, T, D]
-        x, _ = self.blocks(x, positions, None, keys)
-        return x
+        x, _, report = self.blocks(x, positions, None, keys)
+        if order is not None and not run_order:
+            x = constrain(x[:, np.argsort(order)], ACTIVATION_AXES)  # the tokens' order again
+        return x, report
 
     @_with_own_kernels
     def loss(self, batch: dict[str, jax.Array], keys: jax.Array | None = None) -> jax.Array:
-        """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each),
-        with dropout when per-row keys are given: the one door to the loss kernel. Under a
-        pipeline preset the model runs as the context's pipeline settings say."""
-        if sharding.active_ways("layers") > 1:
-            return self.pipelined_loss(batch, keys)
-        x = self.features(batch["inputs"], dropout_key=keys)  # [B, T, D]
-        return kernels.active().cross_entropy(self, x, batch["targets"])
+        """The training loss of a batch {"inputs", "targets"} (int [B, T] each), with dropout
+        when per-row keys are given: the mean next-token cross-entropy, plus the router's
+        penalties of a mixture of experts. The one door to the loss kernel; under a pipeline
+        preset the model runs as the context's pipeline settings say."""
+        return self.loss_and_metrics(batch, keys)[0]
 
     @_with_own_kernels
-    def pipelined_loss(self, batch: dict[str, jax.Array], keys: jax.Array | None) -> jax.Array:
-        """Mean next-token cross-entropy of a batch under a pipeline preset, the embedding, the
-        block stack and the head handed to `minigpt.pipeline` as the schedule's pieces.
+    def loss_and_metrics(self, batch: dict[str, jax.Array], keys: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`loss`, and what it is made of: {"cross_entropy": the mean over positions, and what
+        the blocks report: each loss term (float) as a mean over positions, each count (int)
+        for the whole batch}. The loss is the cross-entropy plus the terms."""
+        if sharding.active_ways("layers") > 1:
+            return self.pipelined_loss(batch, keys)
+        batch = in_run_order(batch)
+        x, report = self.features_and_report(batch["inputs"], dropout_key=keys,
+                                             run_order=True)  # [B, T, D]
+        cross_entropy = kernels.active().cross_entropy(self, x, batch["targets"])
+        terms, metrics = _report_metrics(report, batch["targets"].size)
+        return cross_entropy + terms, {"cross_entropy": cross_entropy, **metrics}
 
-        Same value and gradients as `kernels.active().cross_entropy(model,
-        model.features(...))` with the same per-row dropout keys; how the batch goes through
-        the stages is the context's pipeline settings.
+    @_with_own_kernels
+    def pipelined_loss(self, batch: dict[str, jax.Array], keys: jax.Array | None
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`loss_and_metrics` under a pipeline preset, the embedding, the block stack and the
+        head handed to `minigpt.pipeline` as the schedule's pieces.
+
+        Same value and gradients as without a pipeline, with the same per-row dropout keys;
+        how the batch goes through the stages is the context's pipeline settings. The blocks'
+        loss terms join the loss inside each stage, their counts are summed.
         """
         cfg = self.config
         graphdef, blocks, rest = nnx.split(self, nnx.PathContains("blocks"), ...)
         stand_in = loss.placeholders(blocks)  # the embedding and head never read them
         B, T = batch["inputs"].shape
-        inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "keys": keys,
-                  "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))}
+        positions = _positions(parallel.sequence_order(T), B, T)
+        batch = in_run_order(batch)
+        inputs = {"tokens": batch["inputs"], "targets": batch["targets"],
+                  "keys": None if keys is None else token_keys(keys, positions),
+                  "positions": positions}
 
         def embed(rest, mb):
             model = nnx.merge(graphdef, stand_in(), _lookup_ready(rest))
@@ -204,14 +250,18 @@ class DecoderLM(nnx.Module):
             return constrain(model.embed(mb["tokens"], mb["positions"], keys), ACTIVATION_AXES)
 
         def stage(chunk, x, mb, first_layer):
-            return self.blocks.run_chunk(chunk["blocks"]["layers"], x, mb["positions"],
-                                         mb["keys"], first_layer)
+            y, report = self.blocks.run_chunk(chunk["blocks"]["layers"], x, mb["positions"],
+                                              mb["keys"], first_layer)
+            terms = [v for v in report.values() if jnp.issubdtype(v.dtype, jnp.floating)]
+            return y, sum(terms, jnp.zeros((), jnp.float32)), report
 
         def head(rest, y, targets):
             model = nnx.merge(graphdef, stand_in(), rest)
             return kernels.active().cross_entropy(model, y, targets) * targets.size
 
-        return pipeline.loss(embed, stage, head, rest, blocks, inputs)
+        loss_value, report = pipeline.loss(embed, stage, head, rest, blocks, inputs)
+        terms, metrics = _report_metrics(report, batch["targets"].size)
+        return loss_value, {"cross_entropy": loss_value - terms, **metrics}
 
     @_with_own_kernels
     def logits(self, x: jax.Array) -> jax.Array:
@@ -228,7 +278,7 @@ class DecoderLM(nnx.Module):
         Row b's positions must be consecutive, starting where its cached prefix ends.
         """
         x = constrain(self.embed(tokens, positions), ACTIVATION_AXES)
-        x, cache = self.blocks(x, positions, cache, None)
+        x, cache, _ = self.blocks(x, positions, cache, None)
         return self.logits(x), cache
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32):
@@ -237,12 +287,40 @@ class DecoderLM(nnx.Module):
         return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype)
 
 
-def count_params(model: nnx.Module, cfg: ModelConfig) -> int:
-    """Parameters a model really has: the vocabulary's padding rows are not counted."""
+def in_run_order(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A batch of [B, T] arrays with its positions in the order the model runs them
+    (`parallel.sequence_order`: under a preset that splits the sequence with load balancing,
+    each device's two chunks; elsewhere as given)."""
+    order = parallel.sequence_order(next(iter(batch.values())).shape[1])
+    return batch if order is None else {k: v[:, order] for k, v in batch.items()}
+
+
+def _positions(order: np.ndarray | None, B: int, T: int) -> jax.Array:
+    """Every token's place in its sequence [B, T], for tokens in `order` (None: 0..T-1)."""
+    return jnp.broadcast_to(jnp.asarray(np.arange(T) if order is None else order, jnp.int32),
+                            (B, T))
+
+
+def _report_metrics(report: dict[str, jax.Array], positions: int
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The blocks' summed report as (its loss terms' sum, per position; metrics: each term per
+    position, each count as it is)."""
+    metrics = {k: v / positions if jnp.issubdtype(v.dtype, jnp.floating) else v
+               for k, v in report.items()}
+    terms = [v for k, v in metrics.items() if jnp.issubdtype(report[k].dtype, jnp.floating)]
+    return sum(terms, jnp.zeros((), jnp.float32)), metrics
+
+
+def count_params(model: nnx.Module, cfg: ModelConfig, *, active: bool = False) -> int:
+    """Parameters a model really has: the vocabulary's padding rows are not counted. With
+    `active`, those one token uses: of a mixture of experts' experts (the parameters with an
+    `expert` axis), k of E."""
     total = 0
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):
             axes = node.get_metadata().get("out_sharding") or ()
             rows = cfg.vocab_size / cfg.padded_vocab if "vocab" in axes else 1
+            if active and "expert" in axes:
+                rows = cfg.experts_per_token / cfg.num_experts
             total += round(node.size * rows)
     return total

@@ -4,7 +4,8 @@ Every parameter is created by `param`, which records the logical name of each di
 ("embed", "mlp", ...). Which mesh axis a name is split over is the preset's business
 (`minigpt.sharding`); nothing here knows about meshes or devices. Which kernels to run is read
 from the context `minigpt.sharding` keeps; a model's entry points put its own choice there
-(`minigpt.models.decoder`, which also stacks the blocks these layers make).
+(`minigpt.models.decoder`, which also stacks the blocks these layers make). Where the active rules
+split `seq` over devices, attention runs as `minigpt.parallel` says.
 
 Dimension letters used in shapes and einsum strings:
   B batch, T query positions, S key/value positions, D embed, N query heads, K key/value heads,
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from minigpt import parallel, sharding
 from minigpt.config import ModelConfig
 from minigpt.models import kernels
 
@@ -51,31 +53,49 @@ def row_keys(key: jax.Array, rows: int) -> jax.Array:
     return jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(rows))
 
 
+def token_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
+    """One dropout key per token: its row's key folded with its position, [B] and [B, T] ->
+    [B, T]. A token's masks then depend on its row and its place in the sequence only, not on
+    where it is computed: the same when a context-parallel preset runs the positions in another
+    order (`minigpt.parallel.sequence_order`) or splits them over devices."""
+    return jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)))(keys, positions)
+
+
+def _each_key(fn, keys: jax.Array):
+    """`fn` of one key mapped over every key of an array of them ([B] or [B, T])."""
+    for _ in range(keys.ndim):
+        fn = jax.vmap(fn)
+    return fn(keys)
+
+
 def fold_keys(keys: jax.Array, data: int | jax.Array) -> jax.Array:
-    """Every row's key folded with the same number (a layer's index, say): [B] -> [B]."""
-    return jax.vmap(jax.random.fold_in, (0, None))(keys, data)
+    """Every key folded with the same number (a layer's index, say): [B] -> [B] or
+    [B, T] -> [B, T]."""
+    return _each_key(lambda k: jax.random.fold_in(k, data), keys)
 
 
 def split_keys(keys: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
-    """n independent keys per row, as n arrays [B]; no keys (evaluation) gives n Nones."""
+    """n independent keys per row (or token), as n arrays [B] (or [B, T]); no keys (evaluation)
+    gives n Nones."""
     if keys is None:
         return (None,) * n
-    split = jax.vmap(jax.random.split, (0, None))(keys, n)  # [B, n]
-    return tuple(split[:, i] for i in range(n))
+    split = _each_key(lambda k: jax.random.split(k, n), keys)  # [..., n]
+    return tuple(split[..., i] for i in range(n))
 
 
 def dropout(x: jax.Array, rate: float, keys: jax.Array | None) -> jax.Array:
-    """Inverted dropout of x [B, ...] with one key per row; no keys means evaluation (identity).
+    """Inverted dropout of x [B, ...] with one key per row [B] or per token [B, T]; no keys means
+    evaluation (identity).
 
-    A row's mask depends only on its own key, so a row sees the same mask whatever batch,
-    microbatch or pipeline stage it is computed in. Compares raw 32-bit random integers with a
-    threshold instead of drawing uniform floats, which halves the cost of the random numbers on
-    CPU and is exact to 2^-32.
+    A row's (a token's) mask depends only on its own key, so it is the same whatever batch,
+    microbatch, pipeline stage or device it is computed in. Compares raw 32-bit random integers
+    with a threshold instead of drawing uniform floats, which halves the cost of the random
+    numbers on CPU and is exact to 2^-32.
     """
     if keys is None or rate == 0.0:
         return x
     threshold = min(round(rate * 2**32), 2**32 - 1)
-    bits = jax.vmap(lambda k: jax.random.bits(k, x.shape[1:], jnp.uint32))(keys)
+    bits = _each_key(lambda k: jax.random.bits(k, x.shape[keys.ndim:], jnp.uint32), keys)
     return jnp.where(bits >= jnp.uint32(threshold), x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
@@ -156,10 +176,39 @@ def RMSNorm(cfg: ModelConfig, *, features: tuple[str, int] | None = None,  # noq
     return LayerNorm(cfg, center=False, features=features, rngs=rngs)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate feature pairs (i, i + H/2) of x [B, T, N, H] by angles positions * theta^(-2i/H)."""
-    half = x.shape[-1] // 2
+def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> jax.Array:
+    """The rotary embedding's frequencies theta^(-2i/H) for i < H/2 [H/2], with `scaling`
+    (`rope_scaling(cfg)`) as Llama 3.1+ ("llama3": wavelengths longer than the original context
+    / low slowed by the factor, shorter than context / high kept, a smooth blend between) or a
+    plain factor ("linear"), as transformers computes them."""
+    half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # [H/2]
+    if not scaling:
+        return freq
+    kind, factor, low, high, original = scaling
+    if kind == "linear":
+        return freq / factor
+    wavelength = 2 * math.pi / freq
+    slowed = jnp.where(wavelength > original / low, freq / factor, freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(medium, blended, slowed)
+
+
+def rope_scaling(cfg: ModelConfig) -> tuple:
+    """A model's rotary scaling as `rope_frequencies` takes it (() for none)."""
+    if not cfg.rope_scaling:
+        return ()
+    return (cfg.rope_scaling, cfg.rope_factor, cfg.rope_low_freq, cfg.rope_high_freq,
+            cfg.rope_original_context)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               scaling: tuple = ()) -> jax.Array:
+    """Rotate feature pairs (i, i + H/2) of x [B, T, N, H] by angles positions * frequency i
+    (`rope_frequencies`)."""
+    freq = rope_frequencies(x.shape[-1], theta, scaling)  # [H/2]
     angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -179,9 +228,11 @@ class Attention(nnx.Module):
     an optional key/value cache for decoding."""
 
     def __init__(self, cfg: ModelConfig, *, use_bias: bool, rope: bool, init: Initializer,
-                 out_init: Initializer, qk_norm: bool = False, rngs: nnx.Rngs):
+                 out_init: Initializer, qk_norm: bool = False, out_bias: bool | None = None,
+                 rngs: nnx.Rngs):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
+        out_bias = use_bias if out_bias is None else out_bias
         self.query = Dense("BTD,DNH->BTNH", (D, N, H), ("embed", "heads", "kv"), init=init,
                            **common)
         self.key = Dense("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "kv"), init=init,
@@ -189,8 +240,8 @@ class Attention(nnx.Module):
         self.value = Dense("BSD,DKH->BSKH", (D, K, H), ("embed", "kv_heads", "kv"), init=init,
                            **common)
         self.out = Dense("BTNH,NHD->BTD", (N, H, D), ("heads", "kv", "embed"), init=out_init,
-                         **common)
-        self.rope_theta = cfg.rope_theta if rope else None
+                         **{**common, "use_bias": out_bias})
+        self.rope = (cfg.rope_theta, rope_scaling(cfg)) if rope else None
         if qk_norm:  # one scale per head feature, shared by the heads, as Qwen3's
             self.q_norm = RMSNorm(cfg, features=("kv", H), rngs=rngs)
             self.k_norm = RMSNorm(cfg, features=("kv", H), rngs=rngs)
@@ -202,11 +253,15 @@ class Attention(nnx.Module):
         q, k, v = self.query(x), self.key(x), self.value(x)  # [B, T, N, H], [B, T, K, H] x2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_theta is not None:
-            q = apply_rope(q, positions, self.rope_theta)
-            k = apply_rope(k, positions, self.rope_theta)
+        if self.rope is not None:
+            q = apply_rope(q, positions, *self.rope)
+            k = apply_rope(k, positions, *self.rope)
         if kv is None:
-            y = kernels.active().causal_attention(q, k, v)  # [B, T, N, H]
+            # Where the rules split the sequence over devices, attention is the one layer
+            # that needs the others' positions: a collective region of its own.
+            split = sharding.active_ways("seq") > 1
+            y = (parallel.causal_attention if split else kernels.active().causal_attention)(
+                q, k, v)  # [B, T, N, H]
         else:
             # Each row writes at its own offset; a key is visible when its position is at most
             # the query's, which also hides stale entries beyond a row's current length.

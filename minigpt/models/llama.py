@@ -6,7 +6,8 @@ shrinks the KV cache), a SwiGLU feed-forward (silu(x W_gate) * x W_up, then W_do
 a final RMSNorm and an output head, untied unless `tie_embeddings` (SmolLM2 ties it). With
 `qk_norm` each query and key head is RMS-normalised before the rotary embedding, as in Qwen3
 (Yang et al., 2025), which keeps attention scores from growing and lets small models learn
-faster (bench/RESULTS.md).
+faster (bench/RESULTS.md). With `num_experts` the feed-forward of every layer is a mixture of
+experts instead (`minigpt.models.moe`: Mixtral, Qwen3-MoE, OLMoE).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from minigpt.models.layers import (
     dropout,
     split_keys,
 )
+from minigpt.models.moe import MoE
 
 normal = nnx.initializers.normal(0.02)
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, out_init, rngs: nnx.Rngs):
-        D, F = cfg.embed_dim, cfg.mlp_dim
+    def __init__(self, cfg: ModelConfig, *, out_init, width: int = 0, rngs: nnx.Rngs):
+        D, F = cfg.embed_dim, width or cfg.mlp_dim
         common = dict(use_bias=False, dtype=cfg.dtype, rngs=rngs)
         self.gate = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
         self.up = Dense("BTD,DF->BTF", (D, F), ("embed", "mlp"), init=normal, **common)
@@ -49,18 +51,28 @@ class TransformerBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         residual = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
         self.norm1 = RMSNorm(cfg, rngs=rngs)
-        self.attention = Attention(cfg, use_bias=False, rope=True, init=normal,
-                                   out_init=residual, qk_norm=cfg.qk_norm, rngs=rngs)
+        self.attention = Attention(cfg, use_bias=cfg.qkv_bias, rope=True, init=normal,
+                                   out_init=residual, qk_norm=cfg.qk_norm,
+                                   out_bias=cfg.out_bias, rngs=rngs)
         self.norm2 = RMSNorm(cfg, rngs=rngs)
-        self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
+        if cfg.num_experts:
+            shared = cfg.shared_expert_mlp_dim and SwiGLU(
+                cfg, out_init=residual, width=cfg.shared_expert_mlp_dim, rngs=rngs)
+            self.mlp = MoE(cfg, out_init=residual, shared=shared or None, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 
     def __call__(self, x, positions, kv, keys):
+        """(x, kv), and for a mixture of experts (x, kv, the router's report: see
+        `minigpt.models.moe`)."""
         keys = split_keys(keys, 2)  # per-row keys for the two dropouts
         y, kv = self.attention(self.norm1(x), positions, kv)
         x = x + dropout(y, self.rate, keys[0])
-        x = x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1])
-        return x, kv
+        if not isinstance(self.mlp, MoE):
+            return x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1]), kv
+        y, aux = self.mlp(self.norm2(x), dropless=kv is not None)  # decoding: dropless
+        return x + dropout(y, self.rate, keys[1]), kv, aux
 
 
 class Llama(DecoderLM):

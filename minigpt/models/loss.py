@@ -82,8 +82,38 @@ def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> 
     B, T, _ = x.shape
     vocab = model.config.padded_vocab
     hoist = vocab <= SMALL_VOCAB and B * T * vocab <= HOISTED_LOGITS
-    return _fused_ce(chunk_logits, T // _chunk_len(B, T, vocab), sharding.active_ways("batch"),
-                     hoist, state, x, targets)
+    # Each device's rows: its share of the batch and, where the sequence is split (context
+    # parallelism), of the positions; chunks of B Ss c tokens in all, as B c without the split.
+    shards = (sharding.active_ways("batch"), sharding.active_ways("seq"))
+    if T % shards[1] or B % shards[0]:
+        shards = (shards[0], 1)
+    c = _chunk_len(B * shards[1], T // shards[1], vocab)
+    return _fused_ce(chunk_logits, T // shards[1] // c, shards, hoist, state, x, targets)
+
+
+# The loss's rows are split over the devices that split the batch and those that split the
+# sequence: (batch shard, sequence shard) pairs, in the mesh's order.
+ROWS = ("batch", "seq")
+
+
+def _rows(x: jax.Array, shards: tuple[int, int], chunks: int) -> jax.Array:
+    """[B, T, ...] as [n, S, R, ...]: n chunks, each of c positions from each of the Ss pieces
+    the sequence is split into, its rows grouped by the S = Sb Ss devices holding them."""
+    (Sb, Ss), (B, T), rest = shards, x.shape[:2], x.shape[2:]
+    x = jnp.moveaxis(x.reshape(B, Ss, chunks, T // (Ss * chunks), *rest), 2, 0)  # [n,B,Ss,c]
+    if Ss > 1:  # by batch shard, then by sequence shard
+        x = jnp.swapaxes(x.reshape(chunks, Sb, B // Sb, *x.shape[2:]), 2, 3)
+    return x.reshape(chunks, Sb * Ss, -1, *rest)
+
+
+def _unrows(xs: jax.Array, B: int, shards: tuple[int, int]) -> jax.Array:
+    """The inverse of `_rows`: [n, S, R, ...] -> [B, T, ...]."""
+    (Sb, Ss), n, rest = shards, xs.shape[0], xs.shape[3:]
+    c = xs.shape[1] * xs.shape[2] // (B * Ss)
+    if Ss > 1:
+        xs = jnp.swapaxes(xs.reshape(n, Sb, Ss, B // Sb, c, *rest), 2, 3)
+    x = jnp.moveaxis(xs.reshape(n, B, Ss, c, *rest), 0, 2)  # [B, Ss, n, c, ...]
+    return x.reshape(B, Ss * n * c, *rest)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -104,15 +134,14 @@ def _loss_and_d_logits(logits, targets):
 
 def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
     B, T, D = x.shape
-    c, S = T // chunks, shards
-    # [n, S, B*c/S, D]: each chunk flattened to rows (so the head's matmuls are plain 2-D) and
-    # grouped by batch shard S. Each shard accumulates its own partial parameter gradient in
-    # the loop; they are summed once at the end, instead of one all-reduce per chunk.
-    xs = jnp.swapaxes(x.reshape(B, chunks, c, D), 0, 1).reshape(chunks, S, B * c // S, D)
-    ts = jnp.swapaxes(targets.reshape(B, chunks, c), 0, 1).reshape(chunks, S, B * c // S)
-    xs = sharding.constrain(xs, (None, "batch", None, None))
-    ts = sharding.constrain(ts, (None, "batch", None))
-    losses = sharding.constrain(jnp.zeros((S,), jnp.float32), ("batch",))
+    S = shards[0] * shards[1]
+    # [n, S, R, D]: each chunk flattened to rows (so the head's matmuls are plain 2-D) and
+    # grouped by the S devices holding them (`_rows`). Each shard accumulates its own partial
+    # parameter gradient in the loop; they are summed once at the end, instead of one
+    # all-reduce per chunk.
+    xs = sharding.constrain(_rows(x, shards, chunks), (None, ROWS, None, None))
+    ts = sharding.constrain(_rows(targets, shards, chunks), (None, ROWS, None))
+    losses = sharding.constrain(jnp.zeros((S,), jnp.float32), (ROWS,))
 
     if hoist:
         def one_chunk(losses, inputs):
@@ -140,7 +169,7 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
         def per_shard_zeros(var):
             axes = var.get_metadata().get("out_sharding") or (None,) * var.ndim
             zeros = jnp.zeros((S, *var.shape), var.dtype)
-            return var.replace(sharding.constrain(zeros, ("batch", *axes)))
+            return var.replace(sharding.constrain(zeros, (ROWS, *axes)))
 
         zeros = jax.tree.map(per_shard_zeros, state,
                              is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -148,7 +177,7 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
         carry = sharding.varying_as((losses, zeros), state, x)
         (loss, d_state), d_xs = jax.lax.scan(one_chunk, carry, (xs, ts))
         loss, d_state = jax.tree.map(lambda d: jnp.sum(d, axis=0), (loss, d_state))
-    d_x = jnp.swapaxes(d_xs.reshape(chunks, B, c, D), 0, 1).reshape(B, T, D)
+    d_x = _unrows(d_xs, B, shards)
     count = B * T
     return loss / count, (d_state, d_x, count)
 

@@ -151,8 +151,9 @@ def zeros_like(tree):
 def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
          activation_axes: tuple[str, ...]):
     """Execute the table `plan` on this stage (inside shard_map over the stage axis); returns
-    the loss summed over every position and, with `grads`, the gradients of the rest and of this
-    stage's share of the stack (float32, summed).
+    the loss summed over every position (the stages' penalties included), with `grads` the
+    gradients of the rest and of this stage's share of the stack (float32, summed), and the
+    stages' statistics summed.
 
     It is long because one tick is one loop body: forward, head, backward, then what moves
     between the stages; the steps read best together, in the order they run.
@@ -206,6 +207,12 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
     def zeros(shape_of=act, dtype=None):
         return jnp.zeros(shape_of.shape, dtype or shape_of.dtype)
 
+    stat_shapes = jax.eval_shape(lambda c, m: stage_fn(c, settled(zeros()), m, 0)[2], chunk(0),
+                                 micro(0))
+
+    def no_stats():
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stat_shapes)
+
     def pick(buf, slot):
         return buf[jnp.maximum(slot, 0)]
 
@@ -214,12 +221,16 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
         return buf.at[i].set(jnp.where(ok, value, buf[i]))
 
     def tick(carry, t):
-        inbox, ginbox, stash, d_rest, d_blocks, loss = carry
-        # Forward of one microbatch's chunk, its input from the embedding or the inbox.
+        inbox, ginbox, stash, d_rest, d_blocks, loss, stats = carry
+        # Forward of one microbatch's chunk, its input from the embedding or the inbox; the
+        # chunk's penalty joins the loss, its statistics the sums.
         fm, fr, src = at["fwd_mb"][t, s], at["fwd_round"][t, s], at["fwd_src"][t, s]
         mb = micro(fm)
         x = cond((fm >= 0) & (src < 0), lambda: embed(rest, mb), lambda: pick(inbox, src))
-        y = cond(fm >= 0, lambda: stage_fn(chunk(fr), x, mb, first_layer(fr)), zeros)
+        y, penalty, stat = cond(fm >= 0, lambda: stage_fn(chunk(fr), x, mb, first_layer(fr)),
+                                lambda: (zeros(), jnp.zeros((), jnp.float32),
+                                         no_stats()))
+        loss, stats = loss + penalty, jax.tree.map(jnp.add, stats, stat)
         stash = put(stash, at["fwd_stash"][t, s], x, fm >= 0)
         # The head, on 1/S of the positions each, for a microbatch whose last chunk just ended.
         hm = at["head_mb"][t]
@@ -247,9 +258,9 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
 
             def back():
                 x_b, g = pick(stash, at["bwd_stash"][t, s]), pick(ginbox, at["bwd_src"][t, s])
-                _, pull = jax.vjp(lambda p, x_: stage_fn(p, x_, mbb, first_layer(br)),
+                _, pull = jax.vjp(lambda p, x_: stage_fn(p, x_, mbb, first_layer(br))[:2],
                                   chunk(br), x_b)
-                d_p, d_x = pull(g)
+                d_p, d_x = pull((g, settled(jnp.ones((), jnp.float32))))  # penalty: in as is
 
                 def into_embedding():
                     _, pull_e = jax.vjp(lambda r_: embed(r_, mbb), rest)
@@ -272,29 +283,35 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
         # The output goes on to the next stage (from the last, round the ring: circular).
         y_in = jax.lax.ppermute(y, axis, [(i, (i + 1) % S) for i in range(S)])
         inbox = put(inbox, at["recv_fwd"][t, s], y_in, at["recv_fwd"][t, s] >= 0)
-        return settled((inbox, ginbox, stash, d_rest, d_blocks, loss)), None
+        return settled((inbox, ginbox, stash, d_rest, d_blocks, loss, stats)), None
 
     def buffer(n):
         return jnp.zeros((n, *act.shape), act.dtype)
 
     init = settled((buffer(plan.inbox_size), buffer(plan.grad_inbox_size if grads else 1),
                     buffer(plan.stash_size if grads else 1), f32(zeros_like(rest)),
-                    f32(zeros_like(blocks)), jnp.zeros((), jnp.float32)))
-    (_, _, _, d_rest, d_blocks, loss), _ = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
-    return jax.lax.psum(loss, axis), jax.lax.psum(d_rest, axis), d_blocks
+                    f32(zeros_like(blocks)), jnp.zeros((), jnp.float32),
+                    no_stats()))
+    (_, _, _, d_rest, d_blocks, loss, stats), _ = jax.lax.scan(tick, init,
+                                                               jnp.arange(plan.ticks))
+    return (jax.lax.psum(loss, axis), jax.lax.psum(d_rest, axis), d_blocks,
+            jax.lax.psum(stats, axis))
 
 
 def loss(embed: Callable, stage: Callable, head: Callable, rest, blocks, inputs, *,
-         activation_axes: tuple[str, ...] = ("batch", "seq", "embed")) -> jax.Array:
-    """Mean loss over every token of `inputs`, the model run as the context's pipeline says.
+         activation_axes: tuple[str, ...] = ("batch", "seq", "embed")):
+    """Mean loss over every token of `inputs`, the model run as the context's pipeline says,
+    and the stages' statistics summed over every microbatch: (loss, statistics).
 
     `rest` holds the parameters outside the block stack (replicated over the stages), `blocks`
     the stacked [layers, ...] ones (split over them); `inputs` is a dict of [B, ...] arrays with
     "targets" [B, T] among them (others may be None). The model comes as three functions:
     `embed(rest, mb) -> x [b, T, D]` for microbatch `mb` (`inputs` cut to its rows), `stage(chunk,
-    x, mb, first_layer) -> x` for a chunk of the stacked parameters whose first layer is
-    `first_layer`, and `head(rest, y, targets) -> the loss summed over those positions` for
-    outputs y [b, t, D] of some positions and their targets [b, t].
+    x, mb, first_layer) -> (x, penalty, statistics)` for a chunk of the stacked parameters
+    whose first layer is `first_layer` (a penalty: a float32 scalar the loss adds, summed over
+    positions as the head's; statistics: a tree of arrays, summed, no gradient), and
+    `head(rest, y, targets) -> the loss summed over those positions` for outputs y [b, t, D] of
+    some positions and their targets [b, t].
 
     Differentiable: the forward computes every gradient with the loss (the schedule's
     backwards), the VJP scales them.
@@ -311,22 +328,23 @@ def loss(embed: Callable, stage: Callable, head: Callable, rest, blocks, inputs,
                             grads=grads, activation_axes=activation_axes)
 
         return jax.shard_map(run, in_specs=(jax.P(), jax.P(axis), jax.P()),
-                             out_specs=(jax.P(), jax.P(), jax.P(axis)), axis_names={axis})(
-            rest, blocks, inputs)
+                             out_specs=(jax.P(), jax.P(), jax.P(axis), jax.P()),
+                             axis_names={axis})(rest, blocks, inputs)
 
     count = inputs["targets"].size
 
     @jax.custom_vjp
     def value(rest, blocks, inputs):
-        return staged(False, rest, blocks, inputs)[0] / count
+        total, _, _, stats = staged(False, rest, blocks, inputs)
+        return total / count, stats
 
     def forward(rest, blocks, inputs):
-        total, d_rest, d_blocks = staged(True, rest, blocks, inputs)
-        return total / count, (d_rest, d_blocks, inputs)
+        total, d_rest, d_blocks, stats = staged(True, rest, blocks, inputs)
+        return (total / count, stats), (d_rest, d_blocks, inputs)
 
     def backward(res, g):
         d_rest, d_blocks, inputs = res
-        scale = g / count
+        scale = g[0] / count  # the statistics carry no gradient
         return (jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), d_rest, rest),
                 jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), d_blocks, blocks),
                 jax.tree.map(lambda _: None, inputs))

@@ -24,9 +24,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt.config import PIPELINE_SCHEDULES, ConfigError
+from minigpt.config import CONTEXT_STRATEGIES, PIPELINE_SCHEDULES, ConfigError
 from minigpt.sharding.context import (
     Context,
+    ContextParallel,
     Pipeline,
     active,
     active_ways,
@@ -56,13 +57,13 @@ from minigpt.sharding.presets import (
     ways,
 )
 
-__all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "MeshAxes", "Pipeline", "Preset",
-           "PresetError", "Rules", "active", "active_ways", "available_presets",
-           "batch_divisor", "batch_share", "batch_sharding", "check_divisible", "check_layout",
+__all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "ContextParallel", "MeshAxes",
+           "Pipeline", "Preset", "PresetError", "Rules", "active", "active_ways",
+           "available_presets", "batch_divisor", "batch_share", "batch_sharding", "check_divisible", "check_layout",
            "constrain", "create_sharded", "default_microbatches", "describe", "jit", "lay_out",
            "load_preset", "logical_to_spec", "make_mesh", "mesh_axes_in", "pipeline_axis",
            "put_batch", "put_batch_fn", "resolve_mesh_shape", "resolve_spec", "running",
-           "state_shardings", "use_preset", "varying_as", "ways", "without_axis"]
+           "sequence_axis", "state_shardings", "use_preset", "varying_as", "ways", "without_axis"]
 
 
 def _path_name(path: tuple) -> str:
@@ -90,6 +91,8 @@ def check_divisible(preset: Preset, mesh, abstract_state) -> None:
                     f"preset {preset.name!r} splits the model's {size} layer(s) into {n} "
                     f"pipeline stages, and {n} does not divide {size}: choose a model whose "
                     f"layer count divides by {n}, or another preset")
+            if size % n and axes[dim] == "expert":
+                raise PresetError(_experts_undivided(preset, size, mesh_axes_in(entry), n))
             if size % n:
                 raise PresetError(
                     f"preset {preset.name!r}: parameter {_path_name(path)} of shape "
@@ -146,21 +149,35 @@ def pipeline_axis(rules: Rules | None = None) -> str | None:
     return axes[0] if axes else None
 
 
+def sequence_axis(rules: Rules | None = None) -> str | None:
+    """The mesh axis the rules (default: the active ones) split `seq` over, the ring of context
+    parallelism, or None. Attention runs round one axis; `seq` over several is refused."""
+    axes = mesh_axes_in(dict(active().rules if rules is None else rules).get("seq"))
+    if len(axes) > 1:
+        raise PresetError(f"context parallelism needs `seq` on one mesh axis, not {axes}")
+    return axes[0] if axes else None
+
+
 def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
                  batch_size: int | None = None, accumulation: int = 1, seq_len: int | None = None,
-                 pipeline: Pipeline | None = None) -> Pipeline:
-    """Refuse batch and pipeline settings the preset cannot split evenly, before anything
-    compiles (the trainer and the explainer both ask); return `pipeline` with its microbatches
-    resolved (0 where the preset has no pipeline). Without a batch size only the layers and the
-    schedule are checked."""
+                 pipeline: Pipeline | None = None,
+                 context_parallel: ContextParallel | None = None,
+                 num_experts: int = 0) -> Pipeline:
+    """Refuse batch, pipeline and expert settings the preset cannot split evenly, before
+    anything compiles (the trainer and the explainer both ask); return `pipeline` with its
+    microbatches resolved (0 where the preset has no pipeline). Without a batch size only the
+    layers, the experts and the schedule are checked."""
     pipeline = pipeline or Pipeline()
     try:
         axis = pipeline_axis(preset.rules)
     except PresetError as error:
         raise PresetError(f"preset {preset.name!r}: {error}") from None
     stages = mesh.shape[axis] if axis else 1
+    _check_experts(preset, mesh, num_experts)
     pieces = (pipeline.microbatches or default_microbatches(stages)) if stages > 1 else 0
     pipeline = dataclasses.replace(pipeline, microbatches=pieces)
+    if seq_len is not None:
+        _check_sequence(preset, mesh, seq_len, context_parallel or ContextParallel())
     if stages > 1:
         _check_stages(preset, stages, model, num_layers, pipeline)
     if seq_len is not None and seq_len % stages:
@@ -178,6 +195,41 @@ def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
             f"accumulation microbatch(es)): choose a divisor")
     _check_batch(preset, mesh, batch_size, accumulation, pieces)
     return pipeline
+
+
+def _check_sequence(preset: Preset, mesh, seq_len: int, settings: ContextParallel) -> None:
+    """The sequence length a preset that splits `seq` can cut into its chunks (2 per device
+    with load balancing), and a strategy it knows."""
+    try:
+        axis = sequence_axis(preset.rules)
+    except PresetError as error:
+        raise PresetError(f"preset {preset.name!r}: {error}") from None
+    if axis is None or mesh.shape[axis] == 1:
+        return
+    if settings.strategy not in CONTEXT_STRATEGIES:
+        raise ConfigError(f"unknown train.context_strategy {settings.strategy!r}: choose one "
+                          f"of {', '.join(CONTEXT_STRATEGIES)}")
+    chunks = mesh.shape[axis] * (2 if settings.balanced else 1)
+    if seq_len % chunks:
+        why = (f"2 chunks for each of its {mesh.shape[axis]} {axis!r} devices (causal load "
+               f"balancing)" if settings.balanced else f"its {chunks} {axis!r} devices")
+        raise ConfigError(f"train.seq_len {seq_len} does not divide into the {chunks} equal "
+                          f"chunks preset {preset.name!r} splits each sequence into, {why}: "
+                          f"choose a multiple of {chunks}")
+
+
+def _experts_undivided(preset: Preset, experts: int, axes: tuple[str, ...], n: int) -> str:
+    return (f"preset {preset.name!r} splits the model's {experts} experts over mesh axes {axes} "
+            f"of {n} devices, and {n} does not divide {experts}: choose an expert count that "
+            f"divides by {n}, or another preset")
+
+
+def _check_experts(preset: Preset, mesh, num_experts: int) -> None:
+    """The experts a preset with an `expert` rule can split evenly."""
+    entry = preset.spec(("expert",))[0]
+    n = ways(mesh, entry)
+    if num_experts and num_experts % n:
+        raise PresetError(_experts_undivided(preset, num_experts, mesh_axes_in(entry), n))
 
 
 def _check_stages(preset: Preset, stages: int, model: str, num_layers: int,

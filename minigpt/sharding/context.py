@@ -1,6 +1,7 @@
 """The context model code runs in: the preset's rules and how to run what they lay out.
 
-It is entered once, at the top (`use_preset`: the mesh, the rules, the pipeline settings); a
+It is entered once, at the top (`use_preset`: the mesh, the rules, the pipeline settings, how
+attention runs over a sequence split across devices); a
 model's entry points add their kernel choice (`running(kernels=...)`). Model code reads it where
 it needs it (`active()`, `logical_to_spec`, `constrain`, `active_ways`) and never takes these
 settings as arguments. Steps compiled with `jit` are keyed on it, so a call under other settings
@@ -39,6 +40,17 @@ class Pipeline:
             object.__setattr__(self, "schedule", "gpipe" if self.repeats > 1 else "1f1b")
 
 
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """How attention runs where the rules split `seq` over several devices
+    (`minigpt.parallel.ring`): settings of the program, never of the numbers."""
+
+    strategy: str = "ring"  # "ring" or "all_gather" (minigpt.config.CONTEXT_STRATEGIES)
+    # The model runs its positions in dual-chunk order: of 2N chunks, device i holds chunks i
+    # and 2N-1-i, so causal attention gives every device the same work.
+    balanced: bool = True
+
+
 def default_microbatches(stages: int) -> int:
     """Pipeline microbatches when none are configured: 2 per stage (a GPipe bubble under 1/3)."""
     return 2 * stages
@@ -51,6 +63,7 @@ class Context:
     rules: Rules = ()
     pipeline: Pipeline = Pipeline()
     kernels: str = "auto"  # minigpt.models.kernels: "auto", "reference" or "cpu"
+    context_parallel: ContextParallel = ContextParallel()
 
 
 _DEFAULT = Context()
@@ -73,15 +86,17 @@ def running(**changes: Any) -> Iterator[Context]:
 
 
 @contextlib.contextmanager
-def use_preset(preset: Preset, mesh, pipeline: Pipeline = Pipeline()) -> Iterator[None]:
-    """Enter the mesh, the preset's logical-axis rules and how to run: the context for all model
-    code.
+def use_preset(preset: Preset, mesh, pipeline: Pipeline = Pipeline(), *,
+               context_parallel: ContextParallel = ContextParallel()) -> Iterator[None]:
+    """Enter the mesh, the preset's logical-axis rules and how to run (a pipeline, attention
+    over a split sequence): the context for all model code.
 
     The rules live in our own context rather than `nnx.logical_axis_rules`, because Flax maps each
     logical name independently and would turn an [embed, mlp] kernel under `fsdp` into the invalid
     spec ('fsdp', 'fsdp'); `logical_to_spec` resolves such clashes.
     """
-    with running(rules=preset.rules, pipeline=pipeline), jax.set_mesh(mesh):
+    with running(rules=preset.rules, pipeline=pipeline, context_parallel=context_parallel), \
+            jax.set_mesh(mesh):
         yield
 
 

@@ -21,7 +21,11 @@ from minigpt.config import read_named_toml
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
 
 # The logical axis vocabulary. Model code uses only these names; presets map them to mesh axes.
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",
+                "expert")
+# Axes that never give up their mesh axes to a later dimension (`resolve_spec`): a model whose
+# layers or experts the mesh does not divide is refused instead (`check_divisible`).
+UNYIELDING_AXES = ("layers", "expert")
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
@@ -73,16 +77,21 @@ def resolve_spec(axes: Sequence[str | None], rules: Rules, shape: Sequence[int] 
     Given the array's shape and the mesh (parameters: their shapes are known), a dimension the
     mesh axes do not divide leaves them to the next dimension that maps to them: GPT-2's 12
     heads do not split 8 ways, so under `fsdp` on 8 devices its [heads, head_dim, embed]
-    projection is split by embed instead. The layers never give up their axis (a pipeline
-    whose stages do not divide the layers is refused, `check_divisible`).
+    projection is split by embed instead. The layers and the experts never give up their axis
+    (a pipeline whose stages do not divide the layers, or an expert axis that does not divide
+    the experts, is refused: `check_divisible`).
+
+    A dimension may also name several logical axes, a tuple, and is split over all their mesh
+    axes in turn: the rows of the fused loss, [batch and seq flattened], are ("batch", "seq").
     """
     table = dict(rules)
     used: set[str] = set()
     spec = []
     for dim, name in enumerate(axes):
-        mesh_axes = tuple(a for a in mesh_axes_in(table.get(name) if name else None)
+        names = (name,) if name is None or isinstance(name, str) else name
+        mesh_axes = tuple(a for n in names if n for a in mesh_axes_in(table.get(n))
                           if a not in used)
-        if (shape is not None and mesh is not None and mesh_axes and name != "layers"
+        if (shape is not None and mesh is not None and mesh_axes and name not in UNYIELDING_AXES
                 and shape[dim] % math.prod(mesh.shape[a] for a in mesh_axes)):
             mesh_axes = ()
         used.update(mesh_axes)

@@ -244,8 +244,9 @@ def run(argv: Sequence[str] | None, train: Callable[..., dict[str, Any]]) -> int
             args.coordinator, args.num_processes, args.process_id)):
         runtime.join_job(args.coordinator, args.num_processes, args.process_id)
     try:
-        model_cfg, train_cfg = resolve_configs(args)
-        summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample)
+        with runtime.plain_warnings():
+            model_cfg, train_cfg = resolve_configs(args)
+            summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

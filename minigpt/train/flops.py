@@ -40,7 +40,8 @@ KNOWN_PEAKS: dict[str, dict[str, float]] = {
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 per matmul weight (forward and backward) plus attention.
 
-    Embedding lookups are not matmuls and are left out; the output head is counted. Attention
+    Embedding lookups are not matmuls and are left out; the output head is counted. A mixture
+    of experts counts the experts a token uses, not all of them. Attention
     scores and the weighted sum cost 2 * 2 * T * D per layer forward, x3 with the backward pass;
     half of it is masked by causality but computed all the same, so it counts in full.
     """
@@ -48,6 +49,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     attention = D * q * 2 + D * kv * 2  # query and output, key and value
     mlp = D * F * (3 if cfg.arch == "llama" else 2)  # SwiGLU has a gate projection
+    if cfg.num_experts:  # a token's k experts, the shared expert and its gate, the router
+        mlp = (3 * D * (cfg.experts_per_token * cfg.expert_dim + cfg.shared_expert_mlp_dim)
+               + D * (cfg.num_experts + (1 if cfg.shared_expert_mlp_dim else 0)))
     matmul_params = L * (attention + mlp) + D * cfg.vocab_size
     return 6.0 * matmul_params + 12.0 * L * q * seq_len
 

@@ -99,13 +99,24 @@ class RunLock:
         return True
 
     def _holder(self) -> dict[str, Any] | None:
-        """What the lock file says, {} if it cannot be read (being written), None if gone."""
+        """What the lock file says, {} if it cannot be read (being written), None if gone.
+        Anything that is not a lock minigpt writes (a directory, a JSON list...) is refused
+        and left as it is: it is the user's, not a trainer's."""
         try:
-            return json.loads(self.path.read_text())
+            if not self.path.is_file() and self.path.exists():
+                raise self._foreign("is not a file")
+            holder = json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             return {}
+        if not isinstance(holder, dict) or not {"host", "pid"} <= set(holder):
+            raise self._foreign("does not hold what a minigpt trainer writes (its host and pid)")
+        return holder
+
+    def _foreign(self, why: str) -> RunLocked:
+        return RunLocked(f"{self.path} {why}, so it is not a lock minigpt wrote; it is left "
+                         f"as it is: move it out of the run directory, then train again")
 
     def _age(self) -> float:
         """Seconds since the holder last refreshed the lock file."""
@@ -172,7 +183,10 @@ class RunLock:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        holder = self._holder()
+        try:
+            holder = self._holder()
+        except RunLocked:  # something not ours replaced the lock: it is not ours to remove
+            return
         if holder and holder.get("pid") == os.getpid() and \
                 holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)

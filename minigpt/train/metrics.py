@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from minigpt.files import replacing
@@ -133,11 +134,15 @@ class TrainingDiverged(RuntimeError):
             f"python -m minigpt.train --out {out} --resume --lr {lr / 10:g}")
 
 
-# metrics.jsonl keys and the TensorBoard tags they are shown under.
+# metrics.jsonl keys and the TensorBoard tags they are shown under. A list (each expert's share
+# of a mixture of experts' assignments) is shown as one scalar per entry, `<tag>/<index>`.
 TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate",
                     "grad_norm": "train/grad_norm", "tokens_per_s": "speed/tokens_per_s",
                     "mfu": "speed/mfu", "eval_loss": "eval/loss",
-                    "eval_perplexity": "eval/perplexity"}
+                    "eval_perplexity": "eval/perplexity", "aux_loss": "train/router_aux_loss",
+                    "z_loss": "train/router_z_loss", "expert_share": "experts/share",
+                    "expert_share_max": "experts/largest_share",
+                    "dropped_tokens": "experts/dropped_tokens"}
 
 
 class TensorBoard:
@@ -161,8 +166,11 @@ class TensorBoard:
 
     def write(self, record: dict[str, Any]) -> None:
         for key, tag in TENSORBOARD_TAGS.items():
-            if key in record:
-                self._writer.add_scalar(tag, record[key], record["step"])
+            value = record.get(key)
+            for i, entry in enumerate(value if isinstance(value, list) else ()):
+                self._writer.add_scalar(f"{tag}/{i}", entry, record["step"])
+            if value is not None and not isinstance(value, list):
+                self._writer.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         self._writer.close()
@@ -215,9 +223,10 @@ class Recorder:
             self.board.write(record)
 
     def record(self, step: int, reported: dict[str, Any]) -> dict[str, float]:
-        """Log the metrics a step reported (device scalars) with its speed; returns them as
-        floats."""
-        values = {k: float(v) for k, v in jax.device_get(reported).items()}
+        """Log the metrics a step reported (device scalars, or vectors: each expert's share)
+        with its speed; returns them as floats (lists of floats)."""
+        values = {k: float(v) if np.ndim(v) == 0 else [float(x) for x in v]
+                  for k, v in jax.device_get(reported).items()}
         elapsed = self.timer.lap()
         entry = {"step": step, **values}
         if elapsed is not None:

@@ -20,6 +20,7 @@ from flax import nnx
 
 from minigpt.config import TrainConfig
 from minigpt.models.layers import DECAYED_PARAMETERS, OUTPUT_PROJECTIONS
+from minigpt.models.moe import STACKED_EXPERTS
 from minigpt.train.lr_schedule import LRSchedule
 
 
@@ -50,14 +51,16 @@ def muon_dimensions(path: tuple, ndim: int) -> optax.contrib.MuonDimensionNumber
     the stacked layers (orthogonalised one layer at a time). A projection out to the embedding
     (`out`: [layers, heads, head_dim, embed]; `down`: [layers, mlp, embed]) contracts every
     middle axis; one in from it (query, key, value, up, gate: [layers, embed, ...]) contracts
-    the embedding. Embedding tables, the output head, biases and norm scales go to AdamW.
+    the embedding. A mixture of experts' experts ([layers, experts, ...]) are orthogonalised
+    one expert at a time. Embedding tables, the output head, biases and norm scales go to AdamW.
     """
     names = _names(path)
     if "blocks" not in names or names[-1] != "kernel":
         return None
+    first = 2 if STACKED_EXPERTS in names else 1  # the axes after the stacking ones
     if names[-2] in OUTPUT_PROJECTIONS:
-        return optax.contrib.MuonDimensionNumbers(tuple(range(1, ndim - 1)), ndim - 1)
-    return optax.contrib.MuonDimensionNumbers(1, tuple(range(2, ndim)))
+        return optax.contrib.MuonDimensionNumbers(tuple(range(first, ndim - 1)), ndim - 1)
+    return optax.contrib.MuonDimensionNumbers(first, tuple(range(first + 1, ndim)))
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformationExtraArgs:

@@ -7,12 +7,19 @@ read."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_duration, read_named_toml
+from minigpt.config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    check_value,
+    field_types,
+    parse_duration,
+    read_named_toml,
+)
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -48,11 +55,13 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         train_fields["time_budget"] = parse_duration(train_fields["time_budget"])
     for table, cls, fields in (("model", ModelConfig, model_fields),
                                ("train", TrainConfig, train_fields)):
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(fields) - known:
+        types = field_types(cls)
+        if set(fields) - set(types):
             raise ConfigError(f"recipe {path}: unknown [{table}] fields "
-                              f"{sorted(set(fields) - known)}")
-        if "data" in fields:
+                              f"{sorted(set(fields) - set(types))}")
+        if isinstance(fields.get("data"), list):
             fields["data"] = tuple(fields["data"])
+        for name, value in fields.items():
+            check_value(f"recipe {path}: {table}.{name}", types[name], value)
     return Recipe(name=path.stem, description=str(data.get("description", "")), model=model,
                   model_fields=model_fields, train_fields=train_fields)

@@ -3,7 +3,8 @@
 Steps are functions of their arguments alone. Randomness arrives as a key: the dropout key of a
 step is the run's key folded with the optimizer's step count, so a resumed run draws exactly the
 masks the uninterrupted run would have drawn. A step reads nothing from the host and returns
-its metrics as device scalars; the trainer decides when to look at them. The loss itself is the
+its metrics as device arrays (scalars, and for a mixture of experts each expert's share of the
+assignments as a vector); the trainer decides when to look at them. The loss itself is the
 model's (`DecoderLM.loss`, which picks its kernels and, under a pipeline preset, the schedule);
 the optimizer is `minigpt.train.optimizer`.
 """
@@ -29,23 +30,49 @@ def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],
     return model.loss(batch, dropout_keys)
 
 
+def _loss_and_metrics(model: DecoderLM, batch, keys):
+    return model.loss_and_metrics(batch, keys)
+
+
 def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int):
+    """The model's metrics (`DecoderLM.loss_and_metrics`) and the gradients of its loss."""
     if microbatches == 1:
-        return nnx.value_and_grad(loss_fn)(model, batch, keys)
+        (_, metrics), grads = nnx.value_and_grad(_loss_and_metrics, has_aux=True)(
+            model, batch, keys)
+        return metrics, grads
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
+    def micro_step(p, micro_batch, micro_keys):
+        (_, metrics), grads = jax.value_and_grad(
+            lambda p: _loss_and_metrics(nnx.merge(graphdef, p, rest), micro_batch, micro_keys),
+            has_aux=True)(p)
+        return metrics, grads
+
     def accumulate(carry, micro):
-        micro_batch, micro_keys = micro
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(nnx.merge(graphdef, p, rest), micro_batch, micro_keys))(params)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        return jax.tree.map(jnp.add, carry, micro_step(params, *micro)), None
 
     # Each microbatch takes its rows' keys along, so accumulation draws the masks one big batch
     # would have drawn.
     micros = jax.tree.map(lambda x: pipeline.split_microbatches(x, microbatches), (batch, keys))
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(accumulate, zeros, micros)
-    return jax.tree.map(lambda x: x / microbatches, (loss, grads))
+    first = jax.tree.map(lambda x: x[0], micros)
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                         jax.eval_shape(micro_step, params, *first))
+    (metrics, grads), _ = jax.lax.scan(accumulate, zeros, micros)
+    # Means (floats) are averaged over the microbatches; counts (ints) add up.
+    return jax.tree.map(lambda x: x / microbatches if jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, (metrics, grads))
+
+
+def _reported(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """What a step reports of the model's metrics: the cross-entropy as `loss`, the router's
+    penalties as they are, each expert's share of the assignments (a vector) and the largest
+    share, and (capacity dispatch) the assignments dropped."""
+    reported = {"loss": metrics.pop("cross_entropy")}
+    tokens = metrics.pop("expert_tokens", None)
+    if tokens is not None:
+        share = tokens / jnp.maximum(jnp.sum(tokens), 1)
+        reported.update(expert_share=share, expert_share_max=jnp.max(share))
+    return {**reported, **metrics}
 
 
 @sharding.jit(static_argnames=("microbatches",), donate_argnames=("model", "optimizer"))
@@ -54,7 +81,8 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
                microbatches: int = 1) -> dict[str, jax.Array]:
     """One optimizer step on a global batch at the learning rate `schedule` gives this step,
     accumulated over `microbatches` inside the step (under a pipeline preset each of them runs
-    through the stages as the context's pipeline settings say).
+    through the stages as the context's pipeline settings say). `loss` is the next-token
+    cross-entropy; a mixture of experts minimises it plus `aux_loss` and `z_loss`.
 
     Row r of the batch draws its dropout masks from fold_in(fold_in(rng, step), r), whatever
     the preset, accumulation or pipeline, so all of them compute the same step.
@@ -63,15 +91,16 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
     keys = None
     if model.config.dropout > 0:
         keys = row_keys(jax.random.fold_in(rng, step), batch["inputs"].shape[0])
-    loss, grads = _loss_and_grads(model, batch, keys, microbatches)
+    metrics, grads = _loss_and_grads(model, batch, keys, microbatches)
     optimizer.update(model, grads, schedule=schedule)
-    return {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
+    return {**_reported(metrics), "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
 
 
 @sharding.jit
 def eval_step(model: DecoderLM, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean loss on a batch, without dropout."""
-    return loss_fn(model, batch)
+    """Mean next-token cross-entropy on a batch, without dropout (the router's penalties of a
+    mixture of experts left out: they are for training)."""
+    return model.loss_and_metrics(batch)[1]["cross_entropy"]
 
 
 def mean_loss(model: DecoderLM, batches) -> float:

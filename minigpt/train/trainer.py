@@ -77,12 +77,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
     """
     preset, mesh, settings = check_request(model_cfg, train_cfg, resume=resume)
     with hold_run_lock(Path(train_cfg.out), say=log):
-        run = build_run(model_cfg, train_cfg, preset, mesh, settings)
+        run = build_run(model_cfg, train_cfg, preset, mesh, settings, resume=resume)
         try:
             if resume:
                 restore(run)
-            elif train_cfg.init_from:
-                start_from(run, Path(train_cfg.init_from))
             settle(run, resume=resume)
             run.layers.enter(run.model, run.optimizer)
             write_run_files(run)
@@ -111,12 +109,15 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
         seq_len=train_cfg.seq_len or model_cfg.context_len,
         pipeline=sharding.Pipeline(microbatches=train_cfg.pipeline_microbatches,
                                    schedule=train_cfg.pipeline_schedule,
-                                   repeats=train_cfg.pipeline_repeats))
+                                   repeats=train_cfg.pipeline_repeats),
+        context_parallel=sharding.ContextParallel(strategy=train_cfg.context_strategy),
+        num_experts=model_cfg.num_experts)
 
 
 def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.Preset, mesh,
-              settings: sharding.Pipeline) -> Run:
-    """Prepare the data and create the sharded state (nothing trained yet)."""
+              settings: sharding.Pipeline, *, resume: bool) -> Run:
+    """Prepare the data and create the sharded state (nothing trained yet); a new run started
+    from another's weights reads them before anything of its own is written."""
     data_dir = prepare_in_job(train_cfg.data, train_cfg.data_root, model_cfg.tokenizer)
     started = time.monotonic()
     meta = check_tokenizer(data_dir, model_cfg, train_cfg.model)
@@ -126,6 +127,8 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
         return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
 
     model, optimizer = sharding.create_sharded(build, preset, mesh)
+    if train_cfg.init_from and not resume:
+        start_from(model, Path(train_cfg.init_from))
     seq_len = train_cfg.seq_len or model_cfg.context_len
     batches = _batches(data_dir, "train", train_cfg, seq_len, preset, mesh)
     run_dir = RunDir(train_cfg.out)
@@ -157,10 +160,10 @@ def restore(run: Run) -> None:
     log(f"resumed from {run.checkpointer.directory / str(run.step)} at step {run.step}")
 
 
-def start_from(run: Run, source: Path) -> None:
+def start_from(model: nnx.Module, source: Path) -> None:
     """A new run (`--init-from`) starts from another run's latest weights (trained here or
     imported by `minigpt.hub`) with a fresh optimizer at step 0."""
-    restored = restore_weights(RunDir(source).checkpoints, run.model)
+    restored = restore_weights(RunDir(source).checkpoints, model)
     log(f"starting from the weights of {source} at its step {restored['step']} (a fresh "
         f"optimizer, step 0)")
 
@@ -234,7 +237,9 @@ def run_loop(run: Run) -> bool:
     # there Ctrl-C (or the launcher) stops them all and --resume uses the last checkpoint.
     interrupts = runtime.StopOnInterrupt() if jax.process_count() == 1 else runtime.NoInterrupts()
     try:
-        with sharding.use_preset(run.preset, run.mesh, run.pipeline), interrupts as stop:
+        how = sharding.ContextParallel(strategy=run.train_cfg.context_strategy)
+        with sharding.use_preset(run.preset, run.mesh, run.pipeline, context_parallel=how), \
+                interrupts as stop:
             while run.step < run.train_cfg.steps and not stop.requested:
                 profiler.before(run.step, pending and pending[1], run.checkpointer.wait)
                 reported = steps.train_step(run.model, run.optimizer, put(next(run.batches)),

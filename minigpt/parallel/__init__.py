@@ -1,0 +1,26 @@
+"""Collectives the compiler cannot infer.
+
+Most parallelism in minigpt is a preset's rules: the compiler partitions every operation from
+the layouts of its operands. Where that cannot work, because an operation needs data that lives
+on other devices in an order only the algorithm knows, the communication is written out here,
+in one `jax.shard_map` region per operation, manual over one mesh axis and automatic over the
+others. Model code calls these functions where the active rules ask for them and never names a
+mesh axis; the axis comes from the rules (`minigpt.sharding`).
+
+- `ring`: causal attention over a sequence split across devices (context parallelism): the
+  ring and all-gather strategies, the dual-chunk order that balances their work, and the
+  online-softmax block arithmetic both share.
+"""
+
+from minigpt.parallel.ring import (
+    TILE,
+    Ring,
+    active_ring,
+    causal_attention,
+    check_length,
+    dual_chunk_order,
+    sequence_order,
+)
+
+__all__ = ["TILE", "Ring", "active_ring", "causal_attention", "check_length", "dual_chunk_order",
+           "sequence_order"]

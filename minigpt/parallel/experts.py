@@ -1,0 +1,169 @@
+"""Expert dispatch: each token to the experts its router chose and back, wherever they live.
+
+`dropless` runs a mixture of experts' feed-forward without dropping a token: the (token, expert)
+assignments are sorted by expert and the experts run as grouped products over the sorted rows
+(the kernel is the caller's: `minigpt.models.kernels`), then the results return to their tokens,
+weighted by the router. Each row is computed on its own, so the numbers do not depend on how the
+batch is split. How it runs follows the active rules:
+
+- tokens split over mesh axes (the `batch` and `seq` rules): one `jax.shard_map` region, manual
+  over those axes, in which every device sorts and computes its own tokens (a sort over a split
+  axis is what the compiler cannot partition: it would gather every token everywhere);
+- experts split too (the `expert` rule, on axes that also split the tokens: presets `ep`,
+  `fsdp_ep`): the rows travel to their experts' devices and back by two all-to-alls, each
+  device running only its own experts (`MOVE = "tokens"`). The alternative, gathering every
+  expert's weights to every device as FSDP does (`MOVE = "weights"`), is what the compiler does
+  with the program written without collectives; bench/RESULTS.md measures both;
+- inside another manual region (a pipeline stage: JAX cannot nest `shard_map` there), or where
+  the batch does not divide among the devices (decoding one sequence), the program is left to
+  the compiler, which gathers what it needs: the same numbers, less parallel.
+
+The all-to-all buffers are sized for the worst case a dropless dispatch allows (every row of a
+device bound for one device), so nothing is dropped whatever the router does. `expert_layout`
+and `token_layout` lay out the capacity dispatch's buffers [B, E, C, D] (minigpt.models.moe),
+where the compiler infers the all-to-all itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from minigpt import sharding
+
+# How rows meet the experts under an expert axis: "tokens" travel by all-to-all (kept: faster in
+# bench/RESULTS.md), or "weights" are gathered to every device. The benchmark switches it.
+MOVE = "tokens"
+
+ExpertFFN = Callable[..., jax.Array]  # (rows [M, D], group sizes [G], *weights) -> [M, D]
+ACTIVATIONS = ("batch", "seq", "embed")
+
+
+def expert_axes() -> tuple[str, ...]:
+    """The mesh axes the active rules split the experts over (none outside a preset)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not sharding.active().rules:
+        return ()
+    return tuple(a for a in sharding.mesh_axes_in(sharding.logical_to_spec(("expert",))[0])
+                 if mesh.shape[a] > 1)
+
+
+def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array,
+             params: tuple[jax.Array, ...], ffn: ExpertFFN) -> jax.Array:
+    """sum_k weights[..., k] * expert_{experts[..., k]}(x) for x [B, T, D], experts and weights
+    [B, T, k]; `params` are the experts' stacked weights, [E, ...] each, and `ffn` runs rows
+    sorted by expert through them (`kernels.expert_ffn`). Returns [B, T, D]."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not sharding.active().rules:
+        return _grouped(x, experts, weights, params, ffn)
+    if mesh.manual_axes:  # replicated over the other axes: XLA fails to partition it there
+        whole = [sharding.constrain(a, (None,) * a.ndim) for a in (x, experts, weights, *params)]
+        return sharding.constrain(_grouped(*whole[:3], tuple(whole[3:]), ffn), ACTIVATIONS)
+    spec = sharding.logical_to_spec(("batch", "seq", None))
+    token_axes = tuple(a for entry in spec for a in sharding.mesh_axes_in(entry))
+    ways = [sharding.ways(mesh, entry) for entry in spec[:2]]
+    if not token_axes or x.shape[0] % ways[0] or x.shape[1] % ways[1]:
+        return _grouped(x, experts, weights, params, ffn)
+    split = expert_axes()
+    travel = MOVE == "tokens" and split and set(split) <= set(token_axes)
+    axis = (split[0] if len(split) == 1 else split) if travel else None
+    expert_spec = jax.P(axis) if travel else jax.P()
+
+    def local(x, experts, weights, *params):
+        B, T, D = x.shape
+        rows = (x.reshape(B * T, D), experts.reshape(B * T, -1), weights.reshape(B * T, -1))
+        if travel:
+            return _all_to_all(*rows, params, ffn, axis).reshape(B, T, D)
+        return _grouped(*rows, params, ffn).reshape(B, T, D)
+
+    return jax.shard_map(local, in_specs=(spec, spec, spec, *[expert_spec] * len(params)),
+                         out_specs=spec, axis_names=set(token_axes))(
+        x, experts, weights, *params)
+
+
+def _inverse(order: jax.Array) -> jax.Array:
+    """The permutation that undoes `order` (rows[order][inverse] == rows)."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def _sorted_by_expert(x, experts, num_experts):
+    """The rows of every (token, choice) assignment sorted by expert (stable: in token order
+    within an expert), the order that sorts them, and the rows each expert takes [E]."""
+    k = experts.shape[-1]
+    flat = experts.reshape(-1)  # [n k]
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return x[order // k], order, sizes
+
+
+def _combine(y_sorted, order, weights):
+    """Each assignment's result back in token order, weighted and summed over the k choices."""
+    n, k = weights.shape
+    y = y_sorted[_inverse(order)].reshape(n, k, -1)  # [n, k, D]
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(y.dtype))
+
+
+def _grouped(x, experts, weights, params, ffn):
+    """Dropless dispatch of the tokens at hand ([..., D], any leading shape) to experts all held
+    here."""
+    shape = x.shape
+    x, experts, weights = (x.reshape(-1, shape[-1]), experts.reshape(-1, experts.shape[-1]),
+                           weights.reshape(-1, weights.shape[-1]))
+    rows, order, sizes = _sorted_by_expert(x, experts, params[0].shape[0])
+    return _combine(ffn(rows, sizes, *params), order, weights).reshape(shape)
+
+
+def _all_to_all(x, experts, weights, params, ffn, axis):
+    """Dropless dispatch of this device's tokens x [n, D] to experts split over mesh `axis`
+    (this device holds params [E/X, ...], the experts X * its index onwards): the rows travel to
+    their experts' devices, are computed there and come back.
+
+    Each device sends every other device a block of M = n k rows (the most it could owe one
+    device), of which the first few are real: the counts go first, so the receiver knows.
+    """
+    n, D = x.shape
+    local = params[0].shape[0]
+    X = jax.lax.axis_size(axis)
+    M = n * experts.shape[-1]
+    rows, order, sizes = _sorted_by_expert(x, experts, X * local)  # [M, D] by expert
+    send_sizes = sizes.reshape(X, local)  # rows for each device's each expert
+    recv_sizes = jax.lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)  # [X, E/X]: from each
+    per_device = jnp.sum(send_sizes, axis=1)
+    first = jnp.cumsum(per_device) - per_device  # where each device's rows start in `rows`
+    r = jnp.arange(M)
+    picked = jnp.minimum(first[:, None] + r, M - 1)  # [X, M]
+    outbox = jnp.where((r < per_device[:, None])[..., None], rows[picked], 0)  # [X, M, D]
+    inbox = jax.lax.all_to_all(outbox, axis, 0, 0, tiled=True)  # [X, M, D]: from each device
+    # What arrived, sorted by local expert (unused rows last, in no group).
+    ends = jnp.cumsum(recv_sizes, axis=1)  # [X, E/X]
+    expert_of = jnp.sum(ends[:, None, :] <= r[None, :, None], axis=-1)  # [X, M]
+    arrived = jnp.argsort(expert_of.reshape(-1), stable=True)
+    y = ffn(inbox.reshape(X * M, D)[arrived], jnp.sum(recv_sizes, axis=0), *params)
+    outbox = y[_inverse(arrived)].reshape(X, M, D)
+    back = jax.lax.all_to_all(outbox, axis, 0, 0, tiled=True)  # [X, M, D]: from each device
+    # (jnp.searchsorted fails to trace in a region manual over some axes only, JAX 0.10.)
+    device = jnp.minimum(jnp.sum(jnp.cumsum(per_device)[None, :] <= r[:, None], axis=1), X - 1)
+    return _combine(back[device, r - first[device]], order, weights)  # [n, D]
+
+
+def expert_layout(buffer: jax.Array) -> jax.Array:
+    """A capacity buffer [B, E, C, D] laid out by expert where the rules split the experts
+    (the batch keeps the axes the experts do not take): the compiler moves the rows to their
+    experts' devices by an all-to-all. Elsewhere it keeps the batch's layout."""
+    split = expert_axes()
+    if not split or jax.sharding.get_abstract_mesh().manual_axes:
+        return sharding.constrain(buffer, ("batch", None, None, None))
+    mesh = jax.sharding.get_abstract_mesh()
+    batch = tuple(a for a in sharding.mesh_axes_in(sharding.logical_to_spec(("batch",))[0])
+                  if a not in split)
+    if buffer.shape[0] % math.prod(mesh.shape[a] for a in batch):
+        batch = ()
+    return jax.lax.with_sharding_constraint(buffer, jax.P(batch or None, split, None, None))
+
+
+def token_layout(buffer: jax.Array) -> jax.Array:
+    """A capacity buffer [B, E, C, D] back in the batch's layout (the all-to-all back)."""
+    return sharding.constrain(buffer, ("batch", None, None, None))

@@ -1,10 +1,13 @@
 """Importing a Hugging Face checkpoint: time and peak host memory against the checkpoint's size.
 
-    python bench/bench_import.py [--presets dp fsdp] [--devices 8]
+    python bench/bench_import.py [--shape gpt2-124m|llama-3.2-1b] [--presets dp fsdp]
+                                 [--devices 8]
 
-Writes a random GPT-2 checkpoint of the 124M shape (float32 safetensors, about 500 MB) in the
-Hugging Face layout, then imports it with `python -m minigpt.hub import` under each preset in a
-fresh process on simulated CPU devices, and reports the wall time and the process's peak RSS.
+Writes a random checkpoint in the Hugging Face layout — GPT-2's 124M shape (float32
+safetensors, about 500 MB), or Llama 3.2 1B's (bfloat16, about 2.5 GB, its rope scaling and tied
+embedding, a small tokenizer.json: the tokenizer is not what is measured) — then imports it with
+`python -m minigpt.hub import` under each preset in a fresh process on simulated CPU devices, and
+reports the wall time and the process's peak RSS.
 On simulated devices, device memory *is* host memory: under `dp` every one of the 8 devices
 holds a full copy of the weights, under `fsdp` one eighth. The column "RSS beyond devices" takes
 away what the devices hold and the process's resident size before the import started (JAX,
@@ -23,12 +26,59 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def write_checkpoint(directory: Path) -> int:
-    """A random GPT-2 124M in the Hub's layout; returns its size in bytes."""
+def write_llama_1b(directory: Path) -> tuple[int, int]:
+    """A random Llama 3.2 1B in the Hub's layout, bfloat16; returns its size in bytes and that
+    of its largest tensor."""
+    import ml_dtypes
+    import numpy as np
+
+    from minigpt.hub import safetensors as weights
+    from minigpt.hub.tokenizer_export import tokenizer_json_from_encoding
+    from minigpt.tokenizer import load_tokenizer
+
+    D, L, N, K, F, V = 2048, 16, 32, 8, 8192, 128256
+    H = D // N
+    rng = np.random.default_rng(0)
+
+    def t(*shape, base=0.0):
+        return (base + rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(
+            ml_dtypes.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": t(V, D), "model.norm.weight": t(D, base=1.0)}
+    for i in range(L):
+        p = f"model.layers.{i}"
+        tensors |= {f"{p}.input_layernorm.weight": t(D, base=1.0),
+                    f"{p}.post_attention_layernorm.weight": t(D, base=1.0),
+                    f"{p}.self_attn.q_proj.weight": t(N * H, D),
+                    f"{p}.self_attn.k_proj.weight": t(K * H, D),
+                    f"{p}.self_attn.v_proj.weight": t(K * H, D),
+                    f"{p}.self_attn.o_proj.weight": t(D, N * H),
+                    f"{p}.mlp.gate_proj.weight": t(F, D), f"{p}.mlp.up_proj.weight": t(F, D),
+                    f"{p}.mlp.down_proj.weight": t(D, F)}
+    weights.save(tensors, directory, max_file_bytes=2**33)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
+        "hidden_size": D, "intermediate_size": F, "num_hidden_layers": L,
+        "num_attention_heads": N, "num_key_value_heads": K, "head_dim": H,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": 128000,
+        "eos_token_id": 128001, "torch_dtype": "bfloat16"}))
+    (directory / "tokenizer.json").write_text(json.dumps(
+        tokenizer_json_from_encoding(load_tokenizer("tinystories-4k"))))
+    return sum(a.nbytes for a in tensors.values()), V * D * 2
+
+
+def write_gpt2_124m(directory: Path) -> tuple[int, int]:
+    """A random GPT-2 124M in the Hub's layout; returns its size in bytes and that of its
+    largest tensor."""
     import numpy as np
 
     from minigpt.hub import safetensors as weights
@@ -52,7 +102,11 @@ def write_checkpoint(directory: Path) -> int:
     (directory / "config.json").write_text(json.dumps({
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": V,
         "n_positions": P, "n_embd": D, "n_layer": L, "n_head": 12}))
-    return sum(a.nbytes for a in tensors.values())
+    return sum(a.nbytes for a in tensors.values()), V * D * 4
+
+
+SHAPES = {"gpt2-124m": (write_gpt2_124m, "GPT-2 124M", "float32"),
+          "llama-3.2-1b": (write_llama_1b, "Llama 3.2 1B", "bfloat16")}
 
 
 def worker(spec: dict) -> dict:
@@ -74,11 +128,22 @@ def worker(spec: dict) -> dict:
             "device_bytes": summary["device_bytes"]}
 
 
+def _device_need(preset: str, devices: int, source: Path) -> float:
+    """MiB of float32 parameters the devices would hold under `dp` (a copy each) or another
+    preset (one copy, split), from the checkpoint's parameter count."""
+    from minigpt.hub.safetensors import Checkpoint
+
+    checkpoint = Checkpoint(source)
+    params = sum(int(np.prod(checkpoint.shape(k))) for k in checkpoint.keys())
+    return params * 4 * (devices if preset == "dp" else 1) / 2**20
+
+
 def main() -> None:
     from bench.report import append_section, table
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt2-124m")
     parser.add_argument("--presets", nargs="+", default=["dp", "fsdp"])
     parser.add_argument("--devices", type=int, default=8)
     args = parser.parse_args()
@@ -86,16 +151,23 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
     with tempfile.TemporaryDirectory(prefix="minigpt-bench-import-") as tmp:
-        source = Path(tmp) / "gpt2-random"
-        size = write_checkpoint(source)
+        writer, name, dtype = SHAPES[args.shape]
+        source = Path(tmp) / args.shape
+        source.mkdir()
+        size, largest = writer(source)
         rows = []
         for preset in args.presets:
             spec = {"source": str(source), "out": str(Path(tmp) / f"run-{preset}"),
                     "preset": preset, "devices": args.devices}
             out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                                  capture_output=True, text=True, check=False, cwd=REPO)
-            if out.returncode:
-                sys.exit(f"import under {preset} failed:\n{out.stderr[-3000:]}")
+            if out.returncode:  # e.g. killed for memory: say so, and measure the rest
+                why = (f"killed by signal {-out.returncode} (out of memory: the devices would "
+                       f"hold {_device_need(preset, args.devices, source):,.0f} MiB)"
+                       if out.returncode < 0 else f"failed: {out.stderr.strip()[-300:]}")
+                rows.append((preset, why, "", "", "", ""))
+                print(f"  {preset}: {why}", flush=True)
+                continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             beyond = r["peak"] - r["before"] - r["device_bytes"]
             rows.append((preset, f"{r['seconds']:.1f}", f"{r['peak'] / 2**20:,.0f}",
@@ -105,10 +177,11 @@ def main() -> None:
                   flush=True)
     body = table(["preset", "import (s)", "peak RSS (MiB)", "RSS before (MiB)",
                   "held by the devices (MiB)", "RSS beyond devices (MiB)"], rows)
-    append_section(f"importing a Hugging Face checkpoint, GPT-2 124M shape, {args.devices} "
+    append_section(f"importing a Hugging Face checkpoint, {name} shape, {args.devices} "
                    f"simulated devices", [
-        f"a random GPT-2 checkpoint of the 124M shape: {size / 2**20:,.0f} MiB of float32 "
-        f"safetensors; its largest tensor (wte) {50257 * 768 * 4 / 2**20:,.0f} MiB",
+        f"a random {name} checkpoint: {size / 2**20:,.0f} MiB of {dtype} safetensors; its "
+        f"largest tensor (the token embedding) {largest / 2**20:,.0f} MiB as stored; parameters "
+        f"are float32 in minigpt",
         "`python -m minigpt.hub import` in a fresh process per preset: read, lay out, write the "
         "run directory (config.json, a step-0 checkpoint); time includes the checkpoint write",
         "on simulated CPU devices device memory is host memory: 'held by the devices' is the "

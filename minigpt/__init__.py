@@ -18,6 +18,12 @@ may move. Importing `minigpt` is cheap: each name loads its module when first us
     mesh = minigpt.make_mesh(preset)                        # sharded under it
     model = minigpt.create_sharded(lambda: minigpt.build_model(cfg, rngs=nnx.Rngs(0)),
                                    preset, mesh)
+
+    data_dir = minigpt.prepare_data(["my_stories.txt"], tokenizer=cfg.tokenizer)
+    minigpt.import_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct", "runs/smol")
+    smol = minigpt.load_run("runs/smol")
+    reply = minigpt.chat(smol.model, smol.tokenizer, [{"role": "user", "content": "Hi!"}])
+    minigpt.export_run("runs/smol", "exported/smol")
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import importlib
 import types
 
-# Public name -> the module that defines it.
+# Public name -> the module that defines it (and its name there, where it differs).
 _PUBLIC = {
     "ModelConfig": "minigpt.config",
     "TrainConfig": "minigpt.config",
@@ -37,7 +43,11 @@ _PUBLIC = {
     "create_sharded": "minigpt.sharding",
     "load_run": "minigpt.runs",
     "LoadedRun": "minigpt.runs",
+    "chat": "minigpt.generate",
     "load_tokenizer": "minigpt.tokenizer",
+    "prepare_data": ("minigpt.data", "resolve_data"),
+    "import_checkpoint": "minigpt.hub",
+    "export_run": "minigpt.hub",
 }
 
 __all__ = [*_PUBLIC, "generate", "train"]
@@ -57,7 +67,9 @@ def __getattr__(name: str):
     if name in ("train", "generate"):  # modules that are also their functions
         return importlib.import_module(f"minigpt.{name}")
     if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
+        module, attribute = _PUBLIC[name] if isinstance(_PUBLIC[name], tuple) else (
+            _PUBLIC[name], name)
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'minigpt' has no attribute {name!r}")
 
 

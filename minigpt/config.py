@@ -68,6 +68,8 @@ ROPE_SCALINGS = ("", "llama3", "linear")  # see minigpt.models.layers.rope_frequ
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
 CONTEXT_STRATEGIES = ("ring", "all_gather")  # see minigpt.parallel.ring
 OPTIMIZERS = ("adamw", "muon")  # see minigpt.train.optimizer
+# The projections LoRA adapts by default: attention's and the feed-forward's (minigpt.models.lora).
+LORA_TARGETS = ("query", "key", "value", "out", "gate", "up", "down")
 
 
 @dataclass(frozen=True)
@@ -316,8 +318,18 @@ class TrainConfig:
     # A run directory whose latest weights this run starts from (a fresh optimizer, step 0):
     # one trained here or imported with `python -m minigpt.hub import`.
     init_from: str = ""
+    # Low-rank adapters (LoRA, minigpt.models.lora): rank R > 0 trains rank-R adapters on the
+    # projections `lora_targets` names (attribute names: query, key, value, out, gate, up, down,
+    # output) and freezes every other weight; their update is scaled by lora_alpha / R, their
+    # inputs dropped at rate lora_dropout while training. 0: no adapters, every weight trains.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora_targets, list):  # as JSON (config.json) and TOML hold it
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         _check_fields(self, "train")
         positive = ("steps", "batch_size", "microbatches", "log_every", "eval_every",
                     "eval_batches", "save_every", "keep_checkpoints")
@@ -368,6 +380,13 @@ class TrainConfig:
             raise ConfigError(f"train.seq_len must be >= 0, got {self.seq_len}")
         if self.profile_steps:
             parse_step_range(self.profile_steps)
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"train.lora_rank must be >= 0 (0: no adapters), train.lora_alpha "
+                              f"> 0 and train.lora_dropout in [0, 1); got {self.lora_rank}, "
+                              f"{self.lora_alpha} and {self.lora_dropout}")
+        if self.lora_rank and not self.lora_targets:
+            raise ConfigError("train.lora_targets is empty: name the projections to adapt "
+                              f"(default {','.join(LORA_TARGETS)})")
 
 
 def warmup_for(cfg: TrainConfig) -> int:

@@ -6,7 +6,8 @@ prints every parameter with its logical axes, the mesh PartitionSpec they resolv
 each device holds, then the per-device totals of parameters and optimizer state; for a mixture of
 experts, which experts each device holds and their bytes; under a pipeline preset, which layers
 each stage holds on which devices, the schedule (`--schedule`, `--repeats`,
-`--microbatches`), its bubble and the stage inputs each stage keeps for its backward.
+`--microbatches`), its bubble and the stage inputs each stage keeps for its backward; under a
+preset that splits the sequence, which chunks of every sequence each device holds.
 Nothing is allocated: the model and optimizer are built abstractly (shapes only).
 """
 
@@ -21,11 +22,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from minigpt import pipeline, sharding
-from minigpt.config import ConfigError, TrainConfig
-from minigpt.models import build_model, get_config
+from minigpt import parallel, pipeline, sharding
+from minigpt.config import LORA_TARGETS, ConfigError, TrainConfig
+from minigpt.models import get_config
 from minigpt.runtime import set_simulated_devices
-from minigpt.train.optimizer import make_optimizer
+from minigpt.train import adapters
 
 
 def parameter_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -99,6 +100,22 @@ def expert_map(preset: sharding.Preset, mesh, num_experts: int,
     return lines
 
 
+def context_map(preset: sharding.Preset, mesh) -> list[str]:
+    """Which chunks of every sequence each device of the sequence's mesh axis holds (the
+    dual-chunk order `minigpt.parallel` runs the model in): lines to print."""
+    axis = sharding.sequence_axis(preset.rules)
+    n = mesh.shape[axis]
+    chunks = parallel.dual_chunk_order(2 * n, n).reshape(n, 2)
+    lines = [f"context: every sequence cut into {2 * n} chunks over mesh axis {axis!r} "
+             f"({n} devices), device i holding chunks i and {2 * n - 1}-i so that causal "
+             f"attention gives each the same work;",
+             f"attention: ring, or all_gather (--set train.context_strategy); the sequence "
+             f"length must divide by {2 * n}"]
+    lines += [f"  position {i} of {axis!r}: chunks {a:>2} and {b:>2}"
+              for i, (a, b) in enumerate(chunks)]
+    return lines
+
+
 def _layer_ranges(layers) -> str:
     """"layer 3", "layers 0-3", "layers 0-1, 4-5": runs of consecutive layers."""
     runs, start = [], layers[0]
@@ -128,6 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=0,
                         help="a global batch to check against the preset and M, as the trainer "
                              "does (default: none checked)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="with LoRA adapters of this rank (train.lora_rank): their bytes per "
+                             "device beside the frozen base's, and the optimizer state of the "
+                             "adapters alone (default 0: none, every weight trains)")
+    parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                        help="the projections the adapters adapt (train.lora_targets)")
     args = parser.parse_args(argv)
     if args.devices:
         set_simulated_devices(args.devices)
@@ -136,11 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = get_config(args.model)
         mesh = sharding.make_mesh(preset)
 
-        def build():
-            model = build_model(cfg, rngs=nnx.Rngs(0))
-            return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
-
-        model, optimizer = nnx.eval_shape(build)
+        train_cfg = TrainConfig(lora_rank=args.lora_rank, lora_targets=tuple(
+            t for t in args.lora_targets.split(",") if t))
+        adapters.check(cfg, train_cfg)
+        model, optimizer = nnx.eval_shape(lambda: adapters.build(cfg, train_cfg))
         sharding.check_divisible(preset, mesh, nnx.state(model))
         settings = sharding.check_layout(
             preset, mesh, model=args.model, num_layers=cfg.num_layers,
@@ -159,11 +181,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(parameter_table(params)))
     print(f"\nparameters:      {mib(params, 'bytes_per_device')} per device "
           f"(of {mib(params, 'bytes')} in all)")
+    if args.lora_rank:
+        lora_rows = sharding.describe(preset, mesh, nnx.state(model, nnx.LoRAParam))
+        base = [r for r in params if r not in lora_rows]
+        print(f"  frozen base:   {mib(base, 'bytes_per_device')} per device (of "
+              f"{mib(base, 'bytes')}): no gradients, no optimizer state")
+        print(f"  adapters:      {mib(lora_rows, 'bytes_per_device')} per device (of "
+              f"{mib(lora_rows, 'bytes')}), rank {args.lora_rank}: what trains")
     print(f"optimizer state: {mib(opt, 'bytes_per_device')} per device "
           f"(of {mib(opt, 'bytes')} in all)")
     if cfg.num_experts:
         experts = [r for r in params if "expert" in r["axes"]]
         print("\n" + "\n".join(expert_map(preset, mesh, cfg.num_experts, experts)))
+    if preset.mesh_axes_of("seq") and mesh.shape[sharding.sequence_axis(preset.rules)] > 1:
+        print("\n" + "\n".join(context_map(preset, mesh)))
     if settings.microbatches:
         blocks = [r for r in params if r["axes"][:1] == ("layers",)]
         print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, settings, blocks,

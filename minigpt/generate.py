@@ -147,6 +147,15 @@ class _TextStream:
             self.on_text(text[self.shown:])
             self.shown = len(text)
 
+    def finish(self) -> None:
+        """Pass on what was held back: a continuation may end inside a character (cut off by
+        max_new_tokens, or a byte the model never completes), and the streamed text must be the
+        returned one."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if len(text) > self.shown:
+            self.on_text(text[self.shown:])
+            self.shown = len(text)
+
 
 def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 200,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -165,6 +174,8 @@ def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tok
     new = generate_tokens(model, encoded, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
                           stop_ids=tokenizer.stop_tokens, on_token=on_token)
+    if on_token is not None:
+        on_token.finish()
     return [tokenizer.decode(p + n, skip_special_tokens=True) for p, n in zip(encoded, new)]
 
 
@@ -181,6 +192,8 @@ def chat(model: DecoderLM, tokenizer, messages: Sequence[dict[str, str]], *,
     new = generate_tokens(model, [prompt], max_new_tokens=max_new_tokens,
                           temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
                           stop_ids=tokenizer.stop_tokens, on_token=on_token)[0]
+    if on_token is not None:
+        on_token.finish()
     return tokenizer.decode(new, skip_special_tokens=True)
 
 

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 from flax import nnx
 
 from minigpt import sharding
 from minigpt.checkpoint import Checkpointer, CheckpointError, has_checkpoint
 from minigpt.config import EXECUTION_FIELDS, ConfigError, ModelConfig, TrainConfig
 from minigpt.files import write_text_atomic
-from minigpt.models import DecoderLM, build_model
+from minigpt.models import DecoderLM, build_model, lora
 from minigpt.tokenizer import Encoding, TokenizerError, load_tokenizer
 
 CONFIG = "config.json"
@@ -45,7 +46,8 @@ DAMAGED = "damaged-checkpoints"
 VOCABULARY = "vocabulary.tiktoken"  # an imported vocabulary (converted by earlier versions)
 
 # Train fields that say which run this is: a resumed run keeps them.
-IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from", "optimizer")
+IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from", "optimizer", "lora_rank", "lora_alpha",
+                   "lora_targets")
 
 
 class RunError(ConfigError):
@@ -66,6 +68,14 @@ class SavedRun:
     @property
     def imported(self) -> dict[str, Any] | None:
         return self.record.get("imported")
+
+    @property
+    def adapters(self) -> lora.Adapters | None:
+        """The low-rank adapters the run's model carries (config.json's "adapters"), if any."""
+        try:
+            return lora.Adapters.from_record(self.record.get("adapters"))
+        except ConfigError as error:
+            raise RunError(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -286,8 +296,10 @@ class LoadedRun:
         return self.model.config
 
 
-def load_run(run: str | Path, preset: str = "dp") -> LoadedRun:
-    """Restore a run's latest model weights (no optimizer state) under a preset.
+def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = False) -> LoadedRun:
+    """Restore a run's latest model weights (no optimizer state) under a preset; a run whose
+    model carries low-rank adapters gets them, applied beside its weights or, with
+    `merge_adapters`, folded into them.
 
     A latest checkpoint that cannot be read is skipped, with a warning, for the newest that can.
     Raises RunError for a directory that is not a run or holds no checkpoint yet.
@@ -310,11 +322,19 @@ def load_run(run: str | Path, preset: str = "dp") -> LoadedRun:
             raise RunError(f"{directory.checkpoints} holds no checkpoint yet")
         layout = sharding.load_preset(preset)
         mesh = sharding.make_mesh(layout)
-        model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), layout,
-                                        mesh)
+        adapters = saved.adapters
+
+        def build():
+            model = build_model(cfg, rngs=nnx.Rngs(0))
+            return model if adapters is None else lora.attach(model, adapters,
+                                                              key=jax.random.key(0))
+
+        model = sharding.create_sharded(build, layout, mesh)
         restored = checkpointer.restore(model)
     finally:
         checkpointer.close()
+    if merge_adapters:
+        lora.merge(model)
     for step, why in restored["skipped"]:
         warnings.warn(f"checkpoint {step} of {directory.path} cannot be read ({why}); using "
                       f"step {restored['step']}, the newest that can", stacklevel=2)

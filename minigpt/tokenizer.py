@@ -131,7 +131,7 @@ class HFTokenizer:
             added = self.inner.encode("a", add_special_tokens=True).ids
         except Exception as error:  # e.g. a model that cannot encode without an unknown token
             raise TokenizerError(f"{path} cannot encode text: {_first_line(error)}") from None
-        self.bos_token = bos[0] if bos and added[:1] == bos[:1] else None
+        self.bos_token = bos[0] if bos and added[:1] == [bos[0]] else None
         # None: nothing to end a document with (data preparation then refuses the tokenizer).
         self.eot_token = self.stop_tokens[0] if self.stop_tokens else None
         self._config = configs[2]
@@ -151,6 +151,10 @@ class HFTokenizer:
         return () if token is None else (token,)
 
     def encode_ordinary(self, text: str) -> list[int]:
+        """The text's ids without what the post-processor adds (its begin token). Unlike a
+        tiktoken `Encoding`'s, special tokens written in the text are those tokens, as
+        transformers reads them with `add_special_tokens=False`: a rendered chat template
+        spells its turns that way."""
         return self.inner.encode(text, add_special_tokens=False).ids
 
     def encode_ordinary_batch(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:

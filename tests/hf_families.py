@@ -6,16 +6,23 @@ and tokenizer_config.json have the structure the real ones have.
 - Llama 3: tiktoken ranks (the shipped tinystories-4k vocabulary) through transformers'
   `TikTokenConverter` with Llama 3's split regex, its special tokens in its order and a
   post-processor adding <|begin_of_text|>; `rope_type: "llama3"` scaling; end tokens
-  [<|end_of_text|>, <|eot_id|>] (the instruct variant: Llama 3.2's template, in
+  [<|end_of_text|>, <|eot_id|>]; untied with head_dim given, and tied with config.json in the
+  older rope_theta / rope_scaling spelling (the instruct variant: Llama 3.2's template, in
   tokenizer_config.json as Meta's files carry it).
 - Qwen2 / Qwen2.5 / Qwen3: `Qwen2Tokenizer` from a vocab.json and merges.txt (Qwen's NFC
   normalizer, split regex, <|endoftext|>, <|im_start|>, <|im_end|>); query/key/value biases
-  (Qwen2) or query/key norms (Qwen3), tied, rope_theta 1e6, a vocabulary with unused rows.
+  (Qwen2, whose config.json names a sliding window that `use_sliding_window: false` leaves
+  unused, as Qwen2.5's does) or query/key norms (Qwen3), tied, rope_theta 1e6, a vocabulary
+  with unused rows.
 - Llama 2 / TinyLlama / Mistral: a SentencePiece BPE model with byte fallback trained by
   `sentencepiece` on TinyStories text, converted by `LlamaTokenizer` (`add_bos_token`, as
   their tokenizer_config.json says).
 - SmolLM2: `tokenizers` BPE with Digits (each digit alone) then ByteLevel, tied; the instruct
   variant with SmolLM2's ChatML template.
+
+tokenizer_config.json names the class the real files name (PreTrainedTokenizerFast,
+Qwen2Tokenizer, LlamaTokenizer, GPT2Tokenizer). What the tests compare with is transformers'
+reading of the folder as written (`AutoModelForCausalLM`, `AutoTokenizer`).
 
 Needs torch, transformers and sentencepiece (the [hf] extra): import it after skipping without
 them. Models are 2 layers of width 64; weights are drawn larger than transformers' default
@@ -25,24 +32,21 @@ initialisation so that mistakes show in the logits.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import sentencepiece
 import torch
 import transformers
+from tokenizer_texts import training_stories
 from tokenizers import Tokenizer, decoders, models, processors, trainers
 from tokenizers import pre_tokenizers as pt
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from minigpt.tokenizer import SHIPPED_DIR
 
-ASSETS = Path(os.environ.get("MINIGPT_ASSETS", Path(__file__).resolve().parents[2] / "shared" /
-                             "assets"))
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Llama 3's special tokens in its order (ids 128000... there; here after the 4,095 ranks).
@@ -105,52 +109,11 @@ SMOLLM2_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-# Digits, runs of spaces, tabs and newlines, accents composed and decomposed, emoji with
-# joiners and modifiers, CJK, code, contractions; each tokenizer's special tokens are added.
-TORTURE = (
-    "Digits: 0 7 42 123 2024 1234567890 3.14159 1,000,000 -17 +3e-5 ½ ²³ ٣٤٥ ۱۲\n"
-    "Spaces:a  b   c    d     e\t\tf \t g\n\n\n\nh\r\n\r\ni   \n   j\u00a0k\u3000l  \n"
-    "   leading and trailing   \n"
-    "Accents composed: café naïve Zürich São Paulo Ελλάδα İstanbul Ångström\n"
-    "Accents decomposed: cafe\u0301 nai\u0308ve Zu\u0308rich Sa\u0303o A\u030angstro\u0308m\n"
-    "Emoji: 🙂 👍🏽 👩\u200d👩\u200d👧\u200d👦 🏳️\u200d🌈 🇨🇭🇯🇵 ❤️ 🧑🏾\u200d💻\n"
-    "CJK: 日本語のテキストです。东京是一个大城市。한국어 문장입니다.\n"
-    "Code:\n    def f(x: int) -> int:\n\treturn x ** 2  # square\n"
-    "if (a != b && c >= 10) { printf(\"%d\\n\", a); }\n"
-    "Contractions: it's I'm we'll they've you'd she's can't won't IT'S WE'LL O'Neil's\n")
-
 CHAT_SYSTEM = "You are a storyteller for small children."
 CHAT_MESSAGE = "Tell me a story about a cat named Tom."
 CHAT_TOKENS = 24  # new tokens a chat may take; the instruct models stop before (`make_it_stop`)
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
-
-
-@functools.cache
-def stories_text() -> str:
-    """TinyStories text: the real head of the dataset if the assets are here, else synthetic."""
-    real = ASSETS / "tinystories" / "TinyStories-train-head.txt"
-    if real.is_file():
-        return real.read_text(encoding="utf-8")
-    from conftest import SYNTHETIC_STORIES
-    return "\n<|endoftext|>\n".join(f"{s} It was story number {i}." for i in range(400)
-                                    for s in SYNTHETIC_STORIES)
-
-
-def training_stories() -> list[str]:
-    """The stories the tokenizers are trained on (the first 300 KB)."""
-    return [s.strip() for s in stories_text()[:300_000].split("<|endoftext|>") if s.strip()]
-
-
-def test_stories(count: int = 40) -> list[str]:
-    """Stories the tokenizers were not trained on."""
-    rest = stories_text()[300_000:] or stories_text()
-    return [s.strip() for s in rest.split("<|endoftext|>") if s.strip()][:count]
-
-
-def torture_text(specials: list[str]) -> str:
-    """TORTURE with each special token written in the text, alone and between words."""
-    return TORTURE + "Specials: " + " ".join(f"{s}x{s}" for s in specials) + "".join(specials)
 
 
 # --- tokenizers ------------------------------------------------------------------------------
@@ -258,6 +221,8 @@ class Family:
     template_in_config: bool = False  # in tokenizer_config.json (older files) or its own file
     stop: str | None = None  # the end token an instruct model is made to reply with
     old_rope_spelling: bool = False  # config.json with rope_theta and rope_scaling
+    config_json: dict = dataclasses.field(default_factory=dict)  # as the real config.json has
+    tokenizer_class: str | None = None  # as the real tokenizer_config.json names it
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
@@ -269,23 +234,27 @@ QWEN_ROPE = {"rope_type": "default", "rope_theta": 1e6}
 FAMILIES = {
     "llama3": Family(lambda w: llama3_tokenizer(instruct=False), LLAMA, transformers.LlamaConfig,
                      dict(rope_parameters=LLAMA3_ROPE, head_dim=16, tie_word_embeddings=False),
-                     eos=("<|end_of_text|>", "<|eot_id|>"), bos="<|begin_of_text|>"),
+                     eos=("<|end_of_text|>", "<|eot_id|>"), bos="<|begin_of_text|>",
+                     tokenizer_class="PreTrainedTokenizerFast"),
     "llama3-tied": Family(lambda w: llama3_tokenizer(instruct=False), LLAMA,
                           transformers.LlamaConfig,
                           dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
                           eos=("<|end_of_text|>", "<|eot_id|>"), bos="<|begin_of_text|>",
-                          old_rope_spelling=True),
+                          old_rope_spelling=True, tokenizer_class="PreTrainedTokenizerFast"),
     "llama3-instruct": Family(lambda w: llama3_tokenizer(instruct=True), LLAMA,
                               transformers.LlamaConfig,
                               dict(rope_parameters=LLAMA3_ROPE, head_dim=16,
                                    tie_word_embeddings=False),
                               eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
                               bos="<|begin_of_text|>", template=LLAMA3_TEMPLATE,
-                              template_in_config=True, stop="<|eot_id|>"),
+                              template_in_config=True, stop="<|eot_id|>",
+                              tokenizer_class="PreTrainedTokenizerFast"),
     "qwen2": Family(lambda w: qwen_tokenizer(w, instruct=False), QWEN2, transformers.Qwen2Config,
                     dict(rope_parameters=QWEN_ROPE, tie_word_embeddings=True,
                          use_sliding_window=False), eos=("<|endoftext|>",),
-                    bos="<|endoftext|>", vocab_multiple=64),
+                    bos="<|endoftext|>", vocab_multiple=64,
+                    # Qwen2.5's files name a window that use_sliding_window leaves unused
+                    config_json={"sliding_window": 64, "max_window_layers": 1}),
     "qwen2-instruct": Family(lambda w: qwen_tokenizer(w, instruct=True), QWEN2,
                              transformers.Qwen2Config,
                              dict(rope_parameters=QWEN_ROPE, tie_word_embeddings=True,
@@ -306,20 +275,20 @@ FAMILIES = {
                       transformers.LlamaConfig,
                       dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                            tie_word_embeddings=True), eos=("<|endoftext|>",),
-                      bos="<|endoftext|>"),
+                      bos="<|endoftext|>", tokenizer_class="GPT2Tokenizer"),
     "smollm2-instruct": Family(lambda w: smollm2_tokenizer(instruct=True), LLAMA,
                                transformers.LlamaConfig,
                                dict(rope_parameters={"rope_type": "default",
                                                      "rope_theta": 10000.0},
                                     tie_word_embeddings=True), eos=("<|im_end|>",),
                                bos="<|im_start|>", template=SMOLLM2_TEMPLATE,
-                               stop="<|im_end|>"),
+                               stop="<|im_end|>", tokenizer_class="GPT2Tokenizer"),
 }
 
 
 @dataclasses.dataclass
 class Checkpoint:
-    """A written checkpoint: its folder, and transformers' model and tokenizer as written."""
+    """A written checkpoint: its folder, and transformers' model and tokenizer read from it."""
 
     directory: Path
     model: torch.nn.Module
@@ -362,12 +331,18 @@ def write_family(name: str, directory: Path) -> Checkpoint:
     if family.template_in_config:  # as files saved by earlier transformers versions hold it
         (directory / "chat_template.jinja").unlink()
         _edit_json(directory / "tokenizer_config.json", chat_template=family.template)
+    if family.tokenizer_class:
+        _edit_json(directory / "tokenizer_config.json", tokenizer_class=family.tokenizer_class)
+    _edit_json(directory / "config.json", **family.config_json)
     if family.old_rope_spelling:
         config = json.loads((directory / "config.json").read_text())
         rope = config.pop("rope_parameters")
         config |= {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
         (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return checkpoint
+    # What the tests compare with is transformers' reading of the files as they now are.
+    return Checkpoint(directory,
+                      transformers.AutoModelForCausalLM.from_pretrained(directory).eval(),
+                      transformers.AutoTokenizer.from_pretrained(directory), family)
 
 
 def _edit_json(path: Path, **changes) -> None:

@@ -55,6 +55,17 @@ EXPECTED_SPECS = {
     "pp_tp": (_TP, "stage"),
     "dp_pp_tp": (_TP, "stage"),
     "fsdp_pp_tp": (_FSDP_TP, "stage"),
+    # `seq` is an activation axis: context parallelism lays parameters out as the same preset
+    # without it would
+    "cp": (dict.fromkeys(_TP, ()), None),
+    "dp_cp": (dict.fromkeys(_TP, ()), None),
+    "fsdp_cp": (_FSDP, None),
+    "cp_tp": (_TP, None),
+    "fsdp_cp_tp": (_FSDP_TP, None),
+    # `expert` names only a mixture of experts' weights, which minigpt-tiny has none of: they
+    # lay it out as `dp` and `fsdp` do (the experts' layout: tests/test_moe.py)
+    "ep": (dict.fromkeys(_TP, ()), None),
+    "fsdp_ep": (_FSDP, None),
 }
 
 
@@ -76,7 +87,8 @@ def normalised(spec) -> tuple:
 
 def test_the_promised_presets_exist_and_each_has_its_expected_table():
     assert {"dp", "fsdp", "dp_tp", "tp", "fsdp_tp", "pp", "dp_pp", "fsdp_pp", "pp_tp",
-            "dp_pp_tp", "fsdp_pp_tp"} <= set(PRESETS)
+            "dp_pp_tp", "fsdp_pp_tp", "cp", "dp_cp", "fsdp_cp", "cp_tp", "fsdp_cp_tp", "ep",
+            "fsdp_ep"} <= set(PRESETS)
     assert set(PRESETS) == set(EXPECTED_SPECS)
 
 

@@ -337,7 +337,7 @@ def export_run(run: str | Path, out: str | Path, *, max_file_bytes: int = 2 * 2*
         ids["bos_token_id"] = ids["eos_token_id"]  # GPT-2 begins with <|endoftext|> too
     config = hf_config(cfg, eos=ids["eos_token_id"], bos=ids["bos_token_id"])
     try:
-        loaded = load_run(run, "dp")
+        loaded = load_run(run, "dp", merge_adapters=True)  # a LoRA run's adapters folded in
     except LOAD_ERRORS as error:
         raise HubError(str(error)) from None
     tensors = hf_tensors(loaded.model, cfg)

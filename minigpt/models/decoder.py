@@ -19,7 +19,7 @@ from flax import nnx
 
 from minigpt import parallel, pipeline, sharding
 from minigpt.config import ModelConfig
-from minigpt.models import kernels, loss
+from minigpt.models import kernels, lora, loss
 from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys, token_keys
 from minigpt.sharding import constrain
 
@@ -81,8 +81,9 @@ class BlockStack(nnx.Module):
         """Apply the layers whose stacked parameters are `params`, numbered from first_layer."""
         def layer(x, layer_params, kv, index):
             block = nnx.merge(graphdef, layer_params)
-            x, kv, *report = block(x, positions, kv,
-                                   None if keys is None else fold_keys(keys, index))
+            layer_keys = None if keys is None else fold_keys(keys, index)
+            with lora.dropout_keys(layer_keys):  # the adapters' (the layer splits its own)
+                x, kv, *report = block(x, positions, kv, layer_keys)
             return constrain(x, ACTIVATION_AXES), kv, (report[0] if report else {})
 
         if self.remat:
@@ -235,8 +236,11 @@ class DecoderLM(nnx.Module):
         loss terms join the loss inside each stage, their counts are summed.
         """
         cfg = self.config
-        graphdef, blocks, rest = nnx.split(self, nnx.PathContains("blocks"), ...)
-        stand_in = loss.placeholders(blocks)  # the embedding and head never read them
+        # The pipeline differentiates the trainable parameters alone (with adapters: those).
+        wrt, in_blocks = lora.trainable(self), nnx.PathContains("blocks")
+        graphdef, blocks, frozen_blocks, rest, frozen_rest = nnx.split(
+            self, nnx.All(in_blocks, wrt), in_blocks, wrt, ...)
+        stand_in = loss.placeholders(nnx.merge_state(blocks, frozen_blocks))  # never read
         B, T = batch["inputs"].shape
         positions = _positions(parallel.sequence_order(T), B, T)
         batch = in_run_order(batch)
@@ -259,7 +263,8 @@ class DecoderLM(nnx.Module):
             model = nnx.merge(graphdef, stand_in(), rest)
             return kernels.active().cross_entropy(model, y, targets) * targets.size
 
-        loss_value, report = pipeline.loss(embed, stage, head, rest, blocks, inputs)
+        loss_value, report = pipeline.loss(embed, stage, head, rest, blocks, inputs,
+                                           frozen=(frozen_rest, frozen_blocks))
         terms, metrics = _report_metrics(report, batch["targets"].size)
         return loss_value, {"cross_entropy": loss_value - terms, **metrics}
 

@@ -143,10 +143,12 @@ def _sum_rows(x: jax.Array) -> jax.Array:
     when the rows and the features are split over two other mesh axes (`fsdp_pp_tp`)."""
     if jax.typeof(x).manual_axis_type.varying:
         return jnp.sum(x.reshape(-1, x.shape[-1]).astype(jnp.float32), axis=0)
-    rows = x.reshape(-1, x.shape[-1])  # [R, F]
-    ones = jnp.ones((rows.shape[0],), rows.dtype)
-    return jnp.dot(ones, rows, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
+    # Contracted over the leading axes as they are, not over x.reshape(-1, F): where the
+    # sequence is split over devices (context parallelism), merging batch and positions into
+    # rows would gather every position onto every device.
+    ones = jnp.ones(x.shape[:-1], x.dtype)
+    return jnp.einsum("...f,...->f", x, ones, precision=jax.lax.Precision.HIGHEST,
+                      preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -280,9 +282,9 @@ def _gated_activation_bwd(residuals, g):
     sig = jax.nn.sigmoid(gate)
     d_up = g * gate * sig  # d/d up of silu(gate) * up
     d_gate = g * up * sig * (1 + gate * (1 - sig))  # silu'(z) = s(z) (1 + z (1 - s(z)))
-    rows = x.reshape(-1, x.shape[-1]).T  # [D, R]
-    d_w_gate = jnp.dot(rows, d_gate.reshape(-1, d_gate.shape[-1])).astype(w_gate.dtype)
-    d_w_up = jnp.dot(rows, d_up.reshape(-1, d_up.shape[-1])).astype(w_up.dtype)
+    # x^T d over batch and positions together (not over flattened rows: see `_sum_rows`)
+    d_w_gate = jnp.einsum("btd,btf->df", x, d_gate).astype(w_gate.dtype)
+    d_w_up = jnp.einsum("btd,btf->df", x, d_up).astype(w_up.dtype)
     d_x = (jnp.einsum("btf,df->btd", d_gate, w_gate)
            + jnp.einsum("btf,df->btd", d_up, w_up)).astype(x.dtype)
     return d_x, d_w_gate, d_w_up

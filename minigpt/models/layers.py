@@ -123,9 +123,12 @@ class Dense(nnx.Module):
         self.kernel = param(rngs, flat_init, shape, axes)
         self.bias = (param(rngs, nnx.initializers.zeros, tuple(shape[i] for i in outs),
                            tuple(axes[i] for i in outs)) if use_bias else None)
+        self.lora = nnx.data(None)  # a low-rank adapter, when one is attached (models.lora)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.lora is not None:
+            y = y + self.lora(x.astype(self.dtype))
         if self.bias is None:
             return y
         bias = self.bias[...].astype(self.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 from flax import nnx
 
 from minigpt.config import ModelConfig
@@ -41,6 +42,8 @@ class SwiGLU(nnx.Module):
         self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
 
     def __call__(self, x):
+        if self.gate.lora is not None or self.up.lora is not None:  # adapters beside each
+            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))  # [B, T, D]
         dtype = self.gate.dtype
         hidden = kernels.active().gated_activation(  # silu(gate(x)) * up(x)
             x.astype(dtype), self.gate.kernel[...].astype(dtype), self.up.kernel[...].astype(dtype))

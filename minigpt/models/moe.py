@@ -47,6 +47,27 @@ normal = nnx.initializers.normal(0.02)
 STACKED_EXPERTS = "experts"
 
 
+def top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the experts as k rounds of argmax (the lower index first among
+    equals, as top_k): XLA partitions an argmax over a split batch where it is, and gathered
+    every token's probabilities to every device for top_k."""
+    values, indices = [], []
+    for _ in range(k):
+        i = jnp.argmax(probs, axis=-1)  # [B, T]
+        values.append(jnp.take_along_axis(probs, i[..., None], axis=-1)[..., 0])
+        indices.append(i.astype(jnp.int32))
+        probs = jnp.where(jax.nn.one_hot(i, probs.shape[-1], dtype=bool), -jnp.inf, probs)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
+def whole(projection: Dense) -> jax.Array:
+    """A projection's kernel [D, n] gathered whole (they are small: the router's [D, E], the
+    shared expert's gate [D, 1]). Inside a pipeline stage with two more mesh axes (fsdp_pp_tp),
+    XLA partitioned a product with a kernel split by `embed` alone into collectives that
+    deadlocked."""
+    return constrain(projection.kernel[...], (None, None))
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts, their weights stacked along a leading `expert` axis."""
 
@@ -91,9 +112,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, *, dropless: bool = False):
         """x [B, T, D] -> (y [B, T, D], aux); `dropless` forces the dropless dispatch."""
-        logits = self.router(x.astype(jnp.float32))  # [B, T, E]
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), whole(self.router))  # [B, T, E]
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, chosen = jax.lax.top_k(probs, self.top_k)  # [B, T, k]
+        weights, chosen = top_k(probs, self.top_k)  # [B, T, k]
         if self.norm_topk:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         weights = weights.astype(x.dtype)
@@ -104,7 +125,8 @@ class MoE(nnx.Module):
             y = dispatch.dropless(x, chosen, weights, self.experts.weights(),
                                   kernels.active().expert_ffn)
         if self.shared is not None:
-            y = y + jax.nn.sigmoid(self.shared_gate(x)) * self.shared(x)
+            gate = jnp.einsum("btd,do->bto", x, whole(self.shared_gate).astype(x.dtype))
+            y = y + jax.nn.sigmoid(gate) * self.shared(x)
         return y, self.aux(logits, probs, chosen, dropped)
 
     def capacity(self, T: int) -> int:

@@ -250,8 +250,8 @@ def _forward(ring: Ring, q, k, v):
     else:
         acc, _ = _gathered_tour(ring, lambda acc, kv, j: (fold(acc, kv[0], j), None), acc,
                                 (k, v))
-    out = jnp.concatenate([o / l[..., None] for o, _, l in acc], axis=1)  # [B, T, K, G, H]
-    lse = jnp.concatenate([m + jnp.log(l) for _, m, l in acc], axis=1)  # [B, T, K, G]
+    out = jnp.concatenate([o / total[..., None] for o, _, total in acc], axis=1)  # [B,T,K,G,H]
+    lse = jnp.concatenate([m + jnp.log(total) for _, m, total in acc], axis=1)  # [B, T, K, G]
     return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, T, N)
 
 
@@ -347,14 +347,14 @@ def _fold_chunk(q, k, v, acc, diag: bool):
     [B, C, K, G, H]: acc holds the unnormalised output o [B, C, K, G, H], the running max m and
     sum l [B, C, K, G] (float32); diag: q and k are the same chunk (causal mask)."""
     def one(inputs, start):
-        qt, (o, m, l) = inputs
+        qt, (o, m, total) = inputs
         s = _scores(qt, k, start, diag)
         top = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: every query sees a key by now
         p = jnp.exp(s - top[..., None])
         rescale = jnp.exp(m - top)
         o = o * rescale[..., None] + jnp.einsum("btkgs,bskh->btkgh", p.astype(v.dtype), v,
                                                 preferred_element_type=jnp.float32)
-        return o, top, l * rescale + jnp.sum(p, axis=-1)
+        return o, top, total * rescale + jnp.sum(p, axis=-1)
 
     return _by_tiles(one, (q, acc), q.shape[1])
 

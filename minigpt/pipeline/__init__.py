@@ -143,12 +143,17 @@ def reorder_layers(state, positions: np.ndarray):
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _joined(state, other):
+    """Two NNX states (or trees of them) as one."""
+    return nnx.merge_state(state, other) if other else state
+
+
 def zeros_like(tree):
     """Zeros shaped like every array of a tree (a state keeps its Variables and metadata)."""
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
+def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, frozen, *, grads: bool,
          activation_axes: tuple[str, ...]):
     """Execute the table `plan` on this stage (inside shard_map over the stage axis); returns
     the loss summed over every position (the stages' penalties included), with `grads` the
@@ -158,7 +163,8 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
     It is long because one tick is one loop body: forward, head, backward, then what moves
     between the stages; the steps read best together, in the order they run.
     """
-    embed, stage_fn, head = fns
+    embed_fn, stage_of, head_fn = fns
+    frozen_rest, frozen_blocks = frozen
     S, M, R = plan.stages, plan.microbatches, plan.repeats
     s = jax.lax.axis_index(axis)
     here = jax.lax.pcast(jnp.zeros(()), (axis,), to="varying")
@@ -184,7 +190,7 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
 
     # Each stage differentiates its own copy of the replicated parameters, so their gradients
     # stay partial sums, added up over the stages once at the end (not at every use).
-    rest = settled(rest)
+    rest, frozen_rest = settled(rest), settled(frozen_rest)
     c = jax.tree.leaves(blocks)[0].shape[0] // R  # layers per chunk
     xs = jax.tree.map(lambda a: split_microbatches(a, M), inputs)
     T = inputs["targets"].shape[1]
@@ -202,12 +208,25 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
     def first_layer(r):
         return (jnp.maximum(r, 0) * S + s) * c
 
+    # The pieces read the frozen parameters beside the others, and differentiate none of them.
+    def embed(rest, mb):
+        return embed_fn(_joined(rest, frozen_rest), mb)
+
+    def head(rest, y, targets):
+        return head_fn(_joined(rest, frozen_rest), y, targets)
+
+    def stage_fn(p, r, x, mb):
+        """Chunk r of the stack: its trainable parameters p, and its frozen ones."""
+        r = jnp.maximum(r, 0)
+        held = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, r * c, c), frozen_blocks)
+        return stage_of(_joined(p, held), x, mb, first_layer(r))
+
     act = jax.eval_shape(embed, rest, micro(0))  # [b, T, D]: what moves between stages
 
     def zeros(shape_of=act, dtype=None):
         return jnp.zeros(shape_of.shape, dtype or shape_of.dtype)
 
-    stat_shapes = jax.eval_shape(lambda c, m: stage_fn(c, settled(zeros()), m, 0)[2], chunk(0),
+    stat_shapes = jax.eval_shape(lambda c, m: stage_fn(c, 0, settled(zeros()), m)[2], chunk(0),
                                  micro(0))
 
     def no_stats():
@@ -227,7 +246,7 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
         fm, fr, src = at["fwd_mb"][t, s], at["fwd_round"][t, s], at["fwd_src"][t, s]
         mb = micro(fm)
         x = cond((fm >= 0) & (src < 0), lambda: embed(rest, mb), lambda: pick(inbox, src))
-        y, penalty, stat = cond(fm >= 0, lambda: stage_fn(chunk(fr), x, mb, first_layer(fr)),
+        y, penalty, stat = cond(fm >= 0, lambda: stage_fn(chunk(fr), fr, x, mb),
                                 lambda: (zeros(), jnp.zeros((), jnp.float32),
                                          no_stats()))
         loss, stats = loss + penalty, jax.tree.map(jnp.add, stats, stat)
@@ -258,9 +277,9 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
 
             def back():
                 x_b, g = pick(stash, at["bwd_stash"][t, s]), pick(ginbox, at["bwd_src"][t, s])
-                _, pull = jax.vjp(lambda p, x_: stage_fn(p, x_, mbb, first_layer(br))[:2],
-                                  chunk(br), x_b)
-                d_p, d_x = pull((g, settled(jnp.ones((), jnp.float32))))  # penalty: in as is
+                (_, penalty), pull = jax.vjp(
+                    lambda p, x_: stage_fn(p, br, x_, mbb)[:2], chunk(br), x_b)
+                d_p, d_x = pull((g, jnp.ones_like(penalty)))  # the penalty joins the loss as is
 
                 def into_embedding():
                     _, pull_e = jax.vjp(lambda r_: embed(r_, mbb), rest)
@@ -299,7 +318,7 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, *, grads: bool,
 
 
 def loss(embed: Callable, stage: Callable, head: Callable, rest, blocks, inputs, *,
-         activation_axes: tuple[str, ...] = ("batch", "seq", "embed")):
+         frozen: tuple = (), activation_axes: tuple[str, ...] = ("batch", "seq", "embed")):
     """Mean loss over every token of `inputs`, the model run as the context's pipeline says,
     and the stages' statistics summed over every microbatch: (loss, statistics).
 
@@ -311,7 +330,9 @@ def loss(embed: Callable, stage: Callable, head: Callable, rest, blocks, inputs,
     whose first layer is `first_layer` (a penalty: a float32 scalar the loss adds, summed over
     positions as the head's; statistics: a tree of arrays, summed, no gradient), and
     `head(rest, y, targets) -> the loss summed over those positions` for outputs y [b, t, D] of
-    some positions and their targets [b, t].
+    some positions and their targets [b, t]. `frozen` (frozen rest, frozen blocks), laid out as
+    `rest` and `blocks` are, holds parameters the pieces read but that take no gradient (a
+    model's frozen base beside its adapters): the functions see them joined with the others.
 
     Differentiable: the forward computes every gradient with the loss (the schedule's
     backwards), the VJP scales them.
@@ -320,34 +341,37 @@ def loss(embed: Callable, stage: Callable, head: Callable, rest, blocks, inputs,
     plan = table(sharding.active().pipeline, sharding.active_ways("layers"))
     fns = (embed, stage, head)
 
-    def staged(grads, rest, blocks, inputs):
+    frozen = frozen or (nnx.State({}), nnx.State({}))
+
+    def staged(grads, rest, blocks, inputs, frozen):
         def run(*args):
             # `axis` is manual in here: the pieces lay nothing out over it.
             with sharding.running(rules=sharding.without_axis(sharding.active().rules, axis)):
                 return _run(plan if grads else plan.forward_only(), fns, axis, *args,
                             grads=grads, activation_axes=activation_axes)
 
-        return jax.shard_map(run, in_specs=(jax.P(), jax.P(axis), jax.P()),
+        specs = (jax.P(), jax.P(axis), jax.P(), (jax.P(), jax.P(axis)))
+        return jax.shard_map(run, in_specs=specs,
                              out_specs=(jax.P(), jax.P(), jax.P(axis), jax.P()),
-                             axis_names={axis})(rest, blocks, inputs)
+                             axis_names={axis})(rest, blocks, inputs, frozen)
 
     count = inputs["targets"].size
 
     @jax.custom_vjp
-    def value(rest, blocks, inputs):
-        total, _, _, stats = staged(False, rest, blocks, inputs)
+    def value(rest, blocks, inputs, frozen):
+        total, _, _, stats = staged(False, rest, blocks, inputs, frozen)
         return total / count, stats
 
-    def forward(rest, blocks, inputs):
-        total, d_rest, d_blocks, stats = staged(True, rest, blocks, inputs)
+    def forward(rest, blocks, inputs, frozen):
+        total, d_rest, d_blocks, stats = staged(True, rest, blocks, inputs, frozen)
         return (total / count, stats), (d_rest, d_blocks, inputs)
 
     def backward(res, g):
         d_rest, d_blocks, inputs = res
-        scale = g[0] / count  # the statistics carry no gradient
+        scale = g[0] / count  # the statistics carry no gradient, nor the frozen parameters
         return (jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), d_rest, rest),
                 jax.tree.map(lambda d, p: (d * scale).astype(p.dtype), d_blocks, blocks),
-                jax.tree.map(lambda _: None, inputs))
+                jax.tree.map(lambda _: None, inputs), None)
 
     value.defvjp(forward, backward)
-    return value(rest, blocks, inputs)
+    return value(rest, blocks, inputs, frozen)

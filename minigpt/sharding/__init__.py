@@ -59,7 +59,8 @@ from minigpt.sharding.presets import (
 
 __all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "ContextParallel", "MeshAxes",
            "Pipeline", "Preset", "PresetError", "Rules", "active", "active_ways",
-           "available_presets", "batch_divisor", "batch_share", "batch_sharding", "check_divisible", "check_layout",
+           "available_presets", "batch_divisor", "batch_share", "batch_sharding",
+           "check_divisible", "check_layout",
            "constrain", "create_sharded", "default_microbatches", "describe", "jit", "lay_out",
            "load_preset", "logical_to_spec", "make_mesh", "mesh_axes_in", "pipeline_axis",
            "put_batch", "put_batch_fn", "resolve_mesh_shape", "resolve_spec", "running",
@@ -176,8 +177,7 @@ def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
     _check_experts(preset, mesh, num_experts)
     pieces = (pipeline.microbatches or default_microbatches(stages)) if stages > 1 else 0
     pipeline = dataclasses.replace(pipeline, microbatches=pieces)
-    if seq_len is not None:
-        _check_sequence(preset, mesh, seq_len, context_parallel or ContextParallel())
+    _check_sequence(preset, mesh, seq_len, context_parallel or ContextParallel())
     if stages > 1:
         _check_stages(preset, stages, model, num_layers, pipeline)
     if seq_len is not None and seq_len % stages:
@@ -197,20 +197,27 @@ def check_layout(preset: Preset, mesh, *, model: str, num_layers: int,
     return pipeline
 
 
-def _check_sequence(preset: Preset, mesh, seq_len: int, settings: ContextParallel) -> None:
-    """The sequence length a preset that splits `seq` can cut into its chunks (2 per device
-    with load balancing), and a strategy it knows."""
+def _check_sequence(preset: Preset, mesh, seq_len: int | None,
+                    settings: ContextParallel) -> None:
+    """A preset that splits `seq`: over one mesh axis, without pipeline stages, with a strategy
+    it knows and (given one) a sequence length it can cut into its chunks (2 per device with
+    load balancing)."""
     try:
         axis = sequence_axis(preset.rules)
     except PresetError as error:
         raise PresetError(f"preset {preset.name!r}: {error}") from None
     if axis is None or mesh.shape[axis] == 1:
         return
+    stage_axis = pipeline_axis(preset.rules)
+    if stage_axis and mesh.shape[stage_axis] > 1:
+        raise PresetError(f"preset {preset.name!r} splits both `seq` (context parallelism) and "
+                          f"`layers` (pipeline stages), which do not run together yet: choose "
+                          f"a preset that splits one of them")
     if settings.strategy not in CONTEXT_STRATEGIES:
         raise ConfigError(f"unknown train.context_strategy {settings.strategy!r}: choose one "
                           f"of {', '.join(CONTEXT_STRATEGIES)}")
     chunks = mesh.shape[axis] * (2 if settings.balanced else 1)
-    if seq_len % chunks:
+    if seq_len is not None and seq_len % chunks:
         why = (f"2 chunks for each of its {mesh.shape[axis]} {axis!r} devices (causal load "
                f"balancing)" if settings.balanced else f"its {chunks} {axis!r} devices")
         raise ConfigError(f"train.seq_len {seq_len} does not divide into the {chunks} equal "

@@ -134,15 +134,18 @@ class TrainingDiverged(RuntimeError):
             f"python -m minigpt.train --out {out} --resume --lr {lr / 10:g}")
 
 
-# metrics.jsonl keys and the TensorBoard tags they are shown under. A list (each expert's share
-# of a mixture of experts' assignments) is shown as one scalar per entry, `<tag>/<index>`.
+# metrics.jsonl keys and the TensorBoard tags they are shown under.
 TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate",
                     "grad_norm": "train/grad_norm", "tokens_per_s": "speed/tokens_per_s",
                     "mfu": "speed/mfu", "eval_loss": "eval/loss",
-                    "eval_perplexity": "eval/perplexity", "aux_loss": "train/router_aux_loss",
-                    "z_loss": "train/router_z_loss", "expert_share": "experts/share",
-                    "expert_share_max": "experts/largest_share",
-                    "dropped_tokens": "experts/dropped_tokens"}
+                    "eval_perplexity": "eval/perplexity"}
+# Those only a mixture of experts logs (`minigpt.train.steps`): the router's penalties, each
+# expert's share of the assignments (a list, shown as one scalar per expert, `<tag>/<index>`),
+# the largest share, and the assignments a capacity dispatch dropped.
+EXPERT_TENSORBOARD_TAGS = {"aux_loss": "train/router_aux_loss",
+                           "z_loss": "train/router_z_loss", "expert_share": "experts/share",
+                           "expert_share_max": "experts/largest_share",
+                           "dropped_tokens": "experts/dropped_tokens"}
 
 
 class TensorBoard:
@@ -165,7 +168,7 @@ class TensorBoard:
             self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
-        for key, tag in TENSORBOARD_TAGS.items():
+        for key, tag in {**TENSORBOARD_TAGS, **EXPERT_TENSORBOARD_TAGS}.items():
             value = record.get(key)
             for i, entry in enumerate(value if isinstance(value, list) else ()):
                 self._writer.add_scalar(f"{tag}/{i}", entry, record["step"])

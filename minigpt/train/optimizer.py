@@ -20,6 +20,7 @@ from flax import nnx
 
 from minigpt.config import TrainConfig
 from minigpt.models.layers import DECAYED_PARAMETERS, OUTPUT_PROJECTIONS
+from minigpt.models.lora import ADAPTER
 from minigpt.models.moe import STACKED_EXPERTS
 from minigpt.train.lr_schedule import LRSchedule
 
@@ -37,10 +38,11 @@ def _names(path: tuple) -> list[str]:
 
 def decays(path: tuple) -> bool:
     """Whether weight decay applies to the parameter at this pytree path: weight matrices and
-    embedding tables (the layers name them `kernel` and `table`) decay, biases and norm scales
-    never, whatever their shape (a head bias is [heads, head_dim]; a stacked norm scale is
-    [layers, embed])."""
-    return _names(path)[-1] in DECAYED_PARAMETERS
+    embedding tables (the layers name them `kernel` and `table`) and low-rank adapters' matrices
+    decay, biases and norm scales never, whatever their shape (a head bias is [heads, head_dim];
+    a stacked norm scale is [layers, embed])."""
+    names = _names(path)
+    return names[-1] in DECAYED_PARAMETERS or ADAPTER in names[:-1]
 
 
 def muon_dimensions(path: tuple, ndim: int) -> optax.contrib.MuonDimensionNumbers | None:

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from minigpt import pipeline, sharding
-from minigpt.models import DecoderLM
+from minigpt.models import DecoderLM, lora
 from minigpt.models.layers import row_keys
 from minigpt.train.lr_schedule import LRSchedule
 
@@ -34,13 +34,15 @@ def _loss_and_metrics(model: DecoderLM, batch, keys):
     return model.loss_and_metrics(batch, keys)
 
 
-def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int):
-    """The model's metrics (`DecoderLM.loss_and_metrics`) and the gradients of its loss."""
+def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int, wrt=nnx.Param):
+    """The model's metrics (`DecoderLM.loss_and_metrics`) and the gradients of its loss with
+    respect to the parameters `wrt` picks (the optimizer's: a model's adapters, if it has any;
+    its frozen weights get none)."""
     if microbatches == 1:
-        (_, metrics), grads = nnx.value_and_grad(_loss_and_metrics, has_aux=True)(
-            model, batch, keys)
+        (_, metrics), grads = nnx.value_and_grad(
+            _loss_and_metrics, argnums=nnx.DiffState(0, wrt), has_aux=True)(model, batch, keys)
         return metrics, grads
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
 
     def micro_step(p, micro_batch, micro_keys):
         (_, metrics), grads = jax.value_and_grad(
@@ -89,9 +91,9 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
     """
     step = optimizer.step[...]
     keys = None
-    if model.config.dropout > 0:
+    if model.config.dropout > 0 or lora.has_dropout(model):
         keys = row_keys(jax.random.fold_in(rng, step), batch["inputs"].shape[0])
-    metrics, grads = _loss_and_grads(model, batch, keys, microbatches)
+    metrics, grads = _loss_and_grads(model, batch, keys, microbatches, optimizer.wrt)
     optimizer.update(model, grads, schedule=schedule)
     return {**_reported(metrics), "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
 

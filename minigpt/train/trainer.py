@@ -22,20 +22,18 @@ import jax
 from flax import nnx
 
 from minigpt import pipeline, runtime, sharding
-from minigpt.checkpoint import Checkpointer, restore_weights
+from minigpt.checkpoint import Checkpointer
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_step_range, warmup_for
 from minigpt.data import check_tokenizer, prepare_in_job
 from minigpt.data.loader import batch_iterator
 from minigpt.files import write_text_atomic
 from minigpt.generate import generate
-from minigpt.models import build_model
 from minigpt.runs import RunDir, check_start, keep_vocabulary
 from minigpt.runtime import log
 from minigpt.tokenizer import load_tokenizer
-from minigpt.train import flops, lr_schedule, metrics, steps
+from minigpt.train import adapters, flops, lr_schedule, metrics, steps
 from minigpt.train.budget import TimeBudget
 from minigpt.train.lock import hold_run_lock
-from minigpt.train.optimizer import make_optimizer
 
 # The step count of a run whose time budget has not yet decided one: open-ended.
 OPEN_ENDED = 10**9
@@ -101,6 +99,7 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
     if (train_cfg.seq_len or model_cfg.context_len) > model_cfg.context_len:
         raise ConfigError(f"train.seq_len {train_cfg.seq_len} exceeds the model's context "
                           f"{model_cfg.context_len}")
+    adapters.check(model_cfg, train_cfg)
     preset = sharding.load_preset(train_cfg.preset)
     mesh = sharding.make_mesh(preset)
     return preset, mesh, sharding.check_layout(
@@ -122,13 +121,12 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
     started = time.monotonic()
     meta = check_tokenizer(data_dir, model_cfg, train_cfg.model)
 
-    def build():
-        model = build_model(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
-        return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
-
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    model, optimizer = sharding.create_sharded(lambda: adapters.build(model_cfg, train_cfg),
+                                               preset, mesh)  # with LoRA: adapters train alone
+    base = None  # the run whose weights are the adapters' frozen base
     if train_cfg.init_from and not resume:
-        start_from(model, Path(train_cfg.init_from))
+        base = adapters.start_from(model, Path(train_cfg.init_from),
+                                   adapters.requested(train_cfg), say=log)
     seq_len = train_cfg.seq_len or model_cfg.context_len
     batches = _batches(data_dir, "train", train_cfg, seq_len, preset, mesh)
     run_dir = RunDir(train_cfg.out)
@@ -139,7 +137,7 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
     devices = {"platform": jax.devices()[0].platform, "count": jax.device_count(),
                "processes": jax.process_count()}
     record = {"preset": preset.name, "tokenizer": meta["tokenizer"], "data_dir": str(data_dir),
-              "devices": devices}
+              "devices": devices, **({} if resume else adapters.record(train_cfg, base))}
     return Run(model_cfg=model_cfg, train_cfg=train_cfg, dir=run_dir, seq_len=seq_len,
                preset=preset, mesh=mesh, pipeline=settings,
                layers=pipeline.LayerOrder(settings, model_cfg.num_layers, preset, mesh),
@@ -158,14 +156,6 @@ def restore(run: Run) -> None:
     run.checkpointer.set_aside_skipped(restored["skipped"], run.dir.damaged,
                                        writer=run.is_writer, say=log)
     log(f"resumed from {run.checkpointer.directory / str(run.step)} at step {run.step}")
-
-
-def start_from(model: nnx.Module, source: Path) -> None:
-    """A new run (`--init-from`) starts from another run's latest weights (trained here or
-    imported by `minigpt.hub`) with a fresh optimizer at step 0."""
-    restored = restore_weights(RunDir(source).checkpoints, model)
-    log(f"starting from the weights of {source} at its step {restored['step']} (a fresh "
-        f"optimizer, step 0)")
 
 
 def settle(run: Run, *, resume: bool) -> None:

@@ -1,0 +1,147 @@
+"""Mixture-of-experts benchmark: `moe-cpu` against the dense `llama-cpu`, which uses the same
+parameters per token, under `dp` and `ep` on 8 simulated CPU devices.
+
+    python bench/bench_moe.py                # about 10 minutes on 2 cores
+    python bench/bench_moe.py --repeats 5
+
+Each configuration runs in a fresh process (the device count is fixed when JAX starts): one
+AdamW train step compiled, one warm-up step, then the best of `--repeats` timed steps, at batch
+32 x 256 tokens. Beside the two models under both presets it times what decided the defaults:
+under `ep`, the tokens travelling to their experts by all-to-all against every expert's weights
+gathered to every device (`minigpt.parallel.experts.MOVE`); the grouped products as XLA's CPU
+backend runs `jax.lax.ragged_dot` (`model.kernels=reference`) against the CPU kernel; and the
+capacity dispatch (factor 1.25), whose all-to-all the compiler infers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BATCH = 32
+
+
+def worker(spec: dict) -> dict:
+    """Time one configuration; runs in a fresh process with 8 simulated devices."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from minigpt import sharding
+    from minigpt.config import TrainConfig
+    from minigpt.models import build_model, count_params, get_config
+    from minigpt.parallel import experts
+    from minigpt.train import lr_schedule, steps
+    from minigpt.train.optimizer import make_optimizer
+
+    experts.MOVE = spec.get("move", experts.MOVE)
+    cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
+    train_cfg = TrainConfig(batch_size=BATCH)
+    T = cfg.context_len
+
+    def build():
+        model = build_model(cfg, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
+
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, T + 1)).astype(np.int32)
+    host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    preset = sharding.load_preset(spec["preset"])
+    mesh = sharding.make_mesh(preset)
+    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    rng, rates = jax.random.key(0), lr_schedule.lr_schedule(train_cfg)
+    with sharding.use_preset(preset, mesh):
+        batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
+        start = time.perf_counter()
+        compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
+        compile_s = time.perf_counter() - start
+        text = compiled.as_text()
+        reported = jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, rates))
+        times = []
+        for _ in range(spec["repeats"]):
+            start = time.perf_counter()
+            reported = jax.block_until_ready(steps.train_step(model, optimizer, batch, rng,
+                                                              rates))
+            times.append(time.perf_counter() - start)
+    abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
+    step_s = min(times)
+    return {"step_s": step_s, "compile_s": compile_s, "tokens_per_s": BATCH * T / step_s,
+            "params": count_params(abstract, cfg),
+            "active": count_params(abstract, cfg, active=True),
+            "all_to_all": sum(" all-to-all(" in line for line in text.splitlines()),
+            "all_gather": sum(" all-gather(" in line for line in text.splitlines()),
+            "largest_share": float(reported.get("expert_share_max", 0.0)),
+            "dropped": int(reported.get("dropped_tokens", 0))}
+
+
+def run(spec: dict) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        sys.exit(f"worker failed for {spec}:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"  {spec['label']}: {result['step_s']:.3f} s/step, {result['tokens_per_s']:,.0f} "
+          f"tokens/s, compile {result['compile_s']:.1f} s", flush=True)
+    return result
+
+
+def main() -> None:
+    from bench.report import append_section, table
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per configuration")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return
+    base = {"repeats": args.repeats}
+    specs = [
+        {**base, "label": "llama-cpu, dp", "model": "llama-cpu", "preset": "dp"},
+        {**base, "label": "moe-cpu, dp", "model": "moe-cpu", "preset": "dp"},
+        {**base, "label": "llama-cpu, ep", "model": "llama-cpu", "preset": "ep"},
+        {**base, "label": "moe-cpu, ep (tokens by all-to-all)", "model": "moe-cpu",
+         "preset": "ep"},
+        {**base, "label": "moe-cpu, ep (experts' weights gathered)", "model": "moe-cpu",
+         "preset": "ep", "move": "weights"},
+        {**base, "label": "moe-cpu, dp, ragged_dot (kernels=reference)", "model": "moe-cpu",
+         "preset": "dp", "overrides": {"kernels": "reference"}},
+        {**base, "label": "moe-cpu, dp, capacity 1.25", "model": "moe-cpu", "preset": "dp",
+         "overrides": {"moe_capacity_factor": 1.25}},
+        {**base, "label": "moe-cpu, ep, capacity 1.25", "model": "moe-cpu", "preset": "ep",
+         "overrides": {"moe_capacity_factor": 1.25}},
+    ]
+    results = [run(s) for s in specs]
+    dense = results[0]
+    body = table(
+        ["configuration", "params", "active/token", "step (s)", "tokens/s", "vs llama-cpu dp",
+         "compile (s)", "all-to-alls", "all-gathers", "largest share", "dropped"],
+        [(s["label"], f"{r['params']:,}", f"{r['active']:,}", f"{r['step_s']:.3f}",
+          f"{r['tokens_per_s']:,.0f}", f"{dense['step_s'] / r['step_s']:.2f}x",
+          f"{r['compile_s']:.1f}", r["all_to_all"], r["all_gather"],
+          f"{r['largest_share']:.3f}" if r["largest_share"] else "-",
+          r["dropped"] if "capacity" in s["label"] else "-")
+         for s, r in zip(specs, results)])
+    append_section("mixture of experts: moe-cpu against llama-cpu, 8 simulated devices", [
+        f"batch {BATCH} x 256 tokens, AdamW, float32, dropless routing unless a capacity "
+        f"factor is given; moe-cpu: llama-cpu with each feed-forward made 8 SwiGLU experts of "
+        f"half its width, 2 per token (the same parameters per token, plus a router)",
+        f"best of {args.repeats} steps after one warm-up step, each configuration in a fresh "
+        f"process; compile = lowering and compiling the first step; collectives counted in "
+        f"the compiled step; largest share = the most-used expert's share of the assignments "
+        f"at the last timed step (random tokens, an untrained router)",
+    ], body)
+
+
+if __name__ == "__main__":
+    main()

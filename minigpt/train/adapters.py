@@ -1,0 +1,90 @@
+"""Low-rank adapters in a training run (`--set train.lora_rank=R`): the trainer's side of LoRA.
+
+The adapters a run asks for are checked against its model before anything is compiled
+(`check`); the model is built with them and the optimizer holds them alone (`build`), so the
+base weights take no gradient and have no optimizer state; a new run started from another run's
+weights (`start_from`) continues that run's adapters when they are the same, folds them into the
+weights when they are not, and otherwise takes the weights as its frozen base. config.json
+records the adapters the model carries and which run holds the base they adapt (`record`),
+which `minigpt.runs.load_run` and the PEFT export (`minigpt.hub.peft`) read. The layers' side
+is `minigpt.models.lora`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from minigpt.checkpoint import restore_weights
+from minigpt.config import ModelConfig, TrainConfig
+from minigpt.models import build_model, lora
+from minigpt.runs import RunDir
+from minigpt.train.optimizer import make_optimizer
+
+
+def requested(cfg: TrainConfig) -> lora.Adapters | None:
+    """The adapters a run's training config asks for (None: rank 0, no adapters)."""
+    if not cfg.lora_rank:
+        return None
+    return lora.Adapters(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
+                         dropout=cfg.lora_dropout)
+
+
+def check(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+    """Refuse targets that name no projection of the model (a ConfigError saying which it
+    has), from the model's shapes alone."""
+    wanted = requested(train_cfg)
+    if wanted is not None:
+        model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+        lora.check_targets(model, wanted.targets, model_cfg.arch)
+
+
+def build(model_cfg: ModelConfig, train_cfg: TrainConfig) -> tuple[nnx.Module, nnx.Optimizer]:
+    """The model, with the run's adapters, and its optimizer, which keeps state for what trains
+    alone (`lora.trainable`). Run inside `sharding.create_sharded`, every array is born sharded."""
+    rngs = nnx.Rngs(train_cfg.seed)
+    model = build_model(model_cfg, rngs=rngs)
+    wanted = requested(train_cfg)
+    if wanted is not None:
+        lora.attach(model, wanted, key=rngs.params())
+    return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=lora.trainable(model))
+
+
+def start_from(model: nnx.Module, source: Path, wanted: lora.Adapters | None, *,
+               say: Callable[[str], None]) -> str | None:
+    """Give a new run (`--init-from`, a fresh optimizer at step 0) the latest weights of
+    `source`, trained here or imported. Adapters of the same shape as the run's (`wanted`)
+    continue; others are folded into the weights. Returns the run holding the base weights the
+    model's adapters adapt, unchanged (None when they exist in no run: adapters were folded in)."""
+    saved = RunDir(source).read()
+    theirs = saved.adapters
+    if wanted is not None and wanted.same_weights(theirs):
+        restored = restore_weights(RunDir(source).checkpoints, model)
+        say(f"starting from the weights and adapters of {source} at its step "
+            f"{restored['step']} (a fresh optimizer, step 0)")
+        return (saved.record.get("adapters") or {}).get("base")
+    held = lora.detach(model)
+    if theirs is not None:  # read them beside the weights, then fold them in
+        lora.attach(model, theirs, key=jax.random.key(0))
+        for _, dense in lora.adapted(model):
+            replicated = jax.NamedSharding(dense.kernel.get_value().sharding.mesh, jax.P())
+            for p in (dense.lora.a, dense.lora.b):
+                p.set_value(jax.device_put(p.get_value(), replicated))
+    restored = restore_weights(RunDir(source).checkpoints, model)
+    lora.merge(model)
+    lora.reattach(held)
+    merged = " with its adapters folded into them" if theirs is not None else ""
+    say(f"starting from the weights of {source} at its step {restored['step']}{merged} (a "
+        f"fresh optimizer, step 0)")
+    return None if theirs is not None else str(Path(source).absolute())
+
+
+def record(cfg: TrainConfig, base: str | None) -> dict[str, Any]:
+    """What config.json says of a new run's adapters ({} without): their shape and the run
+    holding the base weights they adapt (None: none does, they are this run's own)."""
+    wanted = requested(cfg)
+    return {} if wanted is None else {"adapters": {**wanted.record(), "base": base}}

@@ -7,7 +7,9 @@ each device holds, then the per-device totals of parameters and optimizer state;
 experts, which experts each device holds and their bytes; under a pipeline preset, which layers
 each stage holds on which devices, the schedule (`--schedule`, `--repeats`,
 `--microbatches`), its bubble and the stage inputs each stage keeps for its backward; under a
-preset that splits the sequence, which chunks of every sequence each device holds.
+preset that splits the sequence, which chunks of every sequence each device holds; with
+`--lora-rank`, the adapters' bytes beside the frozen base's (and the optimizer state of the
+adapters alone).
 Nothing is allocated: the model and optimizer are built abstractly (shapes only).
 """
 
@@ -126,7 +128,7 @@ def _layer_ranges(layers) -> str:
     return ("layer " if len(layers) == 1 else "layers ") + ", ".join(runs)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m minigpt.sharding",
         description="Explain how a preset shards a model: every parameter's logical axes, mesh "
@@ -151,14 +153,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "adapters alone (default 0: none, every weight trains)")
     parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
                         help="the projections the adapters adapt (train.lora_targets)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def adapter_lines(preset: sharding.Preset, mesh, model, rows: list[dict[str, Any]],
+                  rank: int) -> list[str]:
+    """The parameters' bytes split into the frozen base and the adapters (what trains)."""
+    adapted = sharding.describe(preset, mesh, nnx.state(model, nnx.LoRAParam))
+    base = [r for r in rows if r["name"] not in {a["name"] for a in adapted}]
+    return [f"  frozen base:   {mib(base, 'bytes_per_device')} per device (of "
+            f"{mib(base, 'bytes')}): no gradients, no optimizer state",
+            f"  adapters:      {mib(adapted, 'bytes_per_device')} per device (of "
+            f"{mib(adapted, 'bytes')}), rank {rank}: what trains"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.devices:
         set_simulated_devices(args.devices)
     try:
         preset = sharding.load_preset(args.preset)
         cfg = get_config(args.model)
         mesh = sharding.make_mesh(preset)
-
         train_cfg = TrainConfig(lora_rank=args.lora_rank, lora_targets=tuple(
             t for t in args.lora_targets.split(",") if t))
         adapters.check(cfg, train_cfg)
@@ -182,12 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nparameters:      {mib(params, 'bytes_per_device')} per device "
           f"(of {mib(params, 'bytes')} in all)")
     if args.lora_rank:
-        lora_rows = sharding.describe(preset, mesh, nnx.state(model, nnx.LoRAParam))
-        base = [r for r in params if r not in lora_rows]
-        print(f"  frozen base:   {mib(base, 'bytes_per_device')} per device (of "
-              f"{mib(base, 'bytes')}): no gradients, no optimizer state")
-        print(f"  adapters:      {mib(lora_rows, 'bytes_per_device')} per device (of "
-              f"{mib(lora_rows, 'bytes')}), rank {args.lora_rank}: what trains")
+        print("\n".join(adapter_lines(preset, mesh, model, params, args.lora_rank)))
     print(f"optimizer state: {mib(opt, 'bytes_per_device')} per device "
           f"(of {mib(opt, 'bytes')} in all)")
     if cfg.num_experts:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from flax import nnx
 
 from minigpt import sharding
 from minigpt.checkpoint import Checkpointer, CheckpointError, has_checkpoint
-from minigpt.config import EXECUTION_FIELDS, ConfigError, ModelConfig, TrainConfig
+from minigpt.config import EXECUTION_FIELDS, ConfigError, ModelConfig, TrainConfig, field_types
 from minigpt.files import write_text_atomic
 from minigpt.models import DecoderLM, build_model, lora
 from minigpt.tokenizer import Encoding, TokenizerError, load_tokenizer
@@ -150,8 +151,7 @@ class RunDir:
         train = payload.pop("train", None)
         try:
             model_cfg = _built(ModelConfig, model)
-            train_cfg = None if train is None else _built(TrainConfig, {
-                **train, **({"data": tuple(train["data"])} if "data" in train else {})})
+            train_cfg = None if train is None else _built(TrainConfig, train)
         except ConfigError as error:
             raise RunError(f"{path}: {error}") from None
         return SavedRun(model=model_cfg, train=train_cfg, record=payload)
@@ -177,11 +177,14 @@ def _held(run: Path, tokenizer: str) -> bool:
 
 
 def _built(cls, values: dict[str, Any]):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+    """A config from config.json's values: its tuples come back as JSON lists."""
+    types = field_types(cls)
+    unknown = sorted(set(values) - set(types))
     if unknown:
         raise ConfigError(f"unknown {cls.__name__} fields {unknown}")
-    return cls(**values)
+    return cls(**{name: tuple(value) if isinstance(value, list) and
+                  typing.get_origin(types[name]) is tuple else value
+                  for name, value in values.items()})
 
 
 def check_start(out: str | Path, *, resume: bool, init_from: str = "") -> None:

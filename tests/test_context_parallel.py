@@ -167,13 +167,15 @@ def _dp(model_name: str):
 
 
 def step_cases():
-    """Every architecture under every context preset with both strategies. The default run
-    checks minigpt-tiny (learned positions, dropout) under the three presets the issue names,
-    each once, both strategies among them (each case compiles a step: about 20 s on 2 cores);
-    `-m slow` runs the rest."""
+    """Every architecture under every context preset with both strategies (the mixture of
+    experts under the three the issue names). The default run checks minigpt-tiny (learned
+    positions, dropout) under those three, each once, both strategies among them (each case
+    compiles a step: about 20 s on 2 cores); `-m slow` runs the rest."""
     quick = {("cp", "ring"), ("dp_cp", "all_gather"), ("fsdp_cp", "ring")}
-    for model_name in ("minigpt-tiny", "gpt2-tiny", "llama-tiny"):
+    for model_name in ("minigpt-tiny", "gpt2-tiny", "llama-tiny", "moe-tiny"):
         for name in CONTEXT_PRESETS:
+            if model_name == "moe-tiny" and name not in ("cp", "dp_cp", "fsdp_cp"):
+                continue
             for strategy in STRATEGIES:
                 slow = model_name != "minigpt-tiny" or (name, strategy) not in quick
                 yield pytest.param(model_name, name, strategy,

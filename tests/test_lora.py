@@ -21,6 +21,7 @@ from hf_checkpoints import llama_checkpoint, write_hf
 from minigpt import hub, sharding, train
 from minigpt.checkpoint import key_names
 from minigpt.config import ModelConfig, TrainConfig
+from minigpt.generate import generate_tokens
 from minigpt.hub import peft
 from minigpt.models import build_model, get_config, lora
 from minigpt.models.layers import row_keys
@@ -43,9 +44,9 @@ def logits_of(model, ids, vocab):
 
 # --- the layers -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("name", ["llama-tiny", pytest.param("gpt2-tiny", marks=pytest.mark.slow)])
 def test_an_adapted_model_starts_as_its_base_and_trains_its_adapters_alone(name):
-    cfg = get_config(name)
+    cfg = dataclasses.replace(get_config(name), vocab_size=512)
     train_cfg = TrainConfig(lora_rank=4, lora_targets=ALL if name == "llama-tiny" else
                             ("query", "key", "value", "out", "up", "down"), lr=1e-2,
                             warmup_steps=0)
@@ -89,6 +90,20 @@ def test_adapters_follow_the_axes_of_their_layer():
     assert axes["blocks.layers.mlp.down.a"] == ("layers", "mlp", None)
     assert lora.einsum_specs("...D,VD->...V") == ("...D,Dr->...r", "...r,rV->...V", "Dr", "rV")
     assert lora.einsum_specs("BECD,EDF->BECF")[2:] == ("EDr", "ErF")
+
+
+def test_the_explainer_shows_the_adapters_beside_the_frozen_base(capsys):
+    from minigpt import explain
+
+    assert explain.main(["--model", "llama-tiny", "--preset", "fsdp", "--lora-rank", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks.layers.attention.query.lora.a" in out and "(layers, embed, None)" in out
+    base = next(line for line in out.splitlines() if line.strip().startswith("frozen base:"))
+    ours = next(line for line in out.splitlines() if line.strip().startswith("adapters:"))
+    assert "no optimizer state" in base and "rank 8" in ours
+    assert explain.main(["--model", "llama-tiny", "--lora-rank", "8", "--lora-targets",
+                         "query,gate_proj"]) == 2
+    assert "gate_proj: name no layer" in capsys.readouterr().err
 
 
 def test_rank_8_on_the_1b_shape_keeps_under_1_percent_of_full_fine_tunings_optimizer_state():
@@ -206,6 +221,23 @@ def test_a_resumed_lora_run_continues_exactly(config, tmp_path, straight):
             ["--out", half.out, "--resume", "--set", "train.lora_rank=8"]))
 
 
+@pytest.mark.slow  # a real two-process job (tests/test_multihost.py)
+@pytest.mark.usefixtures("gpt2")
+@pytest.mark.parametrize("preset", ["fsdp", "dp_pp"])
+def test_two_processes_train_adapters_like_one(data_dir, tmp_path, preset):
+    import test_multihost as multihost
+
+    one = dataclasses.replace(multihost.config(data_dir, tmp_path / "one", preset), lora_rank=4,
+                              lora_dropout=0.1)
+    train.train(get_config("minigpt-tiny"), one, sample=False)
+    lora_args = ["--set", "train.lora_rank=4", "--set", "train.lora_dropout=0.1"]
+    job = multihost.launcher(multihost.cli_args(dataclasses.replace(
+        one, out=str(tmp_path / "two"))) + lora_args, tmp_path / "logs")
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, out
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory, small_stories):
     """A Llama imported from a Hugging Face folder (written by transformers when it is here),
@@ -272,6 +304,14 @@ def test_a_merged_export_imports_as_the_adapted_model(tuned, tmp_path):
     expected = logits_of(adapted.model, IDS, 4096)
     np.testing.assert_allclose(logits_of(back.model, IDS, 4096), expected, rtol=1e-5,
                                atol=1e-5 * np.abs(expected).max())
+    # generation from the run (its adapters applied) and from its merged export agree
+    told = []
+    for run in (adapted, back):
+        with sharding.use_preset(run.preset, run.mesh):
+            told.append(list(generate_tokens(run.model, [[int(t) for t in IDS[0, :4]]],
+                                             max_new_tokens=8, temperature=0.0,
+                                             rng=jax.random.key(0))[0]))
+    assert told[0] == told[1] and len(told[0]) == 8
 
 
 def test_a_peft_adapter_goes_out_and_back_in_onto_its_base(tuned, tmp_path, capsys):

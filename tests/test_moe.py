@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import losses, random_batch
+from conftest import losses, random_batch, tensorboard_scalars
 from flax import nnx
 
 from minigpt import explain, generate, sharding, train
 from minigpt.config import TrainConfig
-from minigpt.models import build_model, count_params, get_config
+from minigpt.models import build_model, count_params, get_config, kernels
 from minigpt.models.moe import MoE
+from minigpt.parallel import experts
 from minigpt.train import lr_schedule, metrics, steps
 from minigpt.train import optimizer as optim
 
@@ -78,20 +79,20 @@ def numpy_moe(w, x, k: int, norm_topk: bool, capacity: int | None = None, misrou
     return out, dropped
 
 
-def layer_output(layer, x, kernels="auto"):
-    with sharding.running(kernels=kernels):
+def layer_output(layer, x, kernel_set="auto"):
+    with sharding.running(kernels=kernel_set):
         y, aux = nnx.jit(lambda m, x: m(x))(layer, jnp.asarray(x, jnp.float32))
     return np.asarray(y, np.float64), jax.tree.map(np.asarray, aux)
 
 
-@pytest.mark.parametrize("kernels, norm_topk", [("cpu", True), ("reference", True),
-                                                ("cpu", False)])
-def test_the_layer_equals_a_numpy_mixture_of_experts(kernels, norm_topk):
+@pytest.mark.parametrize("kernel_set, norm_topk", [("cpu", True), ("reference", True),
+                                                   ("cpu", False)])
+def test_the_layer_equals_a_numpy_mixture_of_experts(kernel_set, norm_topk):
     cfg = dataclasses.replace(TINY, norm_topk_prob=norm_topk)
     layer = first_layer(build_model(cfg, rngs=nnx.Rngs(1)))
     x = np.random.default_rng(0).normal(size=(2, 12, cfg.embed_dim))
     expected, _ = numpy_moe(weights_of(layer), x, cfg.experts_per_token, norm_topk)
-    got, aux = layer_output(layer, x, kernels)
+    got, aux = layer_output(layer, x, kernel_set)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     # every assignment counted once: 2 tokens' rows x 12 x k
     assert aux["expert_tokens"].sum() == 2 * 12 * cfg.experts_per_token
@@ -129,6 +130,28 @@ def test_capacity_drops_only_assignments_over_capacity_and_counts_them():
     np.testing.assert_allclose(got, dropless, rtol=1e-5, atol=1e-6)
 
 
+def test_the_cpu_grouped_products_equal_ragged_dot():
+    """Groups of every size (one empty), rows past the last group (as the all-to-all's
+    buffers have): the CPU kernel's blocks give ragged_dot's values and gradients."""
+    M, E, D, F = 300, 5, 16, 24
+    keys = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(keys[0], (M, D))
+    w = [jax.random.normal(k, s) * 0.2 for k, s in zip(keys[1:], [(E, D, F), (E, D, F),
+                                                                   (E, F, D)])]
+    sizes = jnp.asarray([70, 0, 3, 121, 46], jnp.int32)  # 240 of 300 rows
+
+    def run(name):
+        def f(x, *w):
+            return jnp.sum(jnp.sin(kernels.get(name).expert_ffn(x, sizes, *w)))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, *w)
+
+    (want, want_grads), (got, got_grads) = run("reference"), run("cpu")
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for g, r in zip(got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got_grads[0])[240:])  # rows past the groups: no gradient
+
+
 def test_parameters_name_their_axes_and_the_active_count_takes_k_of_e_experts():
     model = nnx.eval_shape(lambda: build_model(TINY, rngs=nnx.Rngs(0)))
     kernel = model.blocks.layers.mlp.experts.gate.kernel
@@ -136,9 +159,9 @@ def test_parameters_name_their_axes_and_the_active_count_takes_k_of_e_experts():
     assert kernel.get_metadata()["out_sharding"] == ("layers", "expert", "embed", "mlp")
     assert model.blocks.layers.mlp.experts.down.kernel.shape == (2, 8, 64, 64)  # [L, E, F, D]
     assert model.blocks.layers.mlp.router.kernel.shape == (2, 64, 8)  # [L, D, E]
-    experts = 2 * 3 * 8 * 64 * 64
+    in_experts = 2 * 3 * 8 * 64 * 64
     total = count_params(model, TINY)
-    assert total - count_params(model, TINY, active=True) == experts * 6 // 8
+    assert total - count_params(model, TINY, active=True) == in_experts * 6 // 8
     dense = dataclasses.replace(get_config("llama-cpu"))
     moe = get_config("moe-cpu")
     # moe-cpu uses per token what llama-cpu does, plus its routers
@@ -199,7 +222,7 @@ def assert_same_steps(reference, found):
 
 
 def preset_cases():
-    """The default run: `ep` and `pp` (8 layers, one per stage); -m slow: the others."""
+    """The default run: `ep`; -m slow: the others (`pp` with 8 layers, one per stage)."""
     for name in ("ep", "fsdp_ep", "fsdp", "dp_tp", "pp", "dp_pp"):
         yield pytest.param(name, marks=[] if name in ("ep",) else [pytest.mark.slow])
 
@@ -236,7 +259,7 @@ def test_gradient_accumulation_gives_the_same_step():
     assert_same_steps(three_steps("dp", TINY), three_steps("dp", TINY, microbatches=4))
 
 
-def test_the_expert_axis_moves_tokens_by_all_to_all_and_gathers_no_experts():
+def test_the_expert_axis_moves_tokens_by_all_to_all_and_gathers_experts_only_if_crowded():
     cfg = TINY
     preset = sharding.load_preset("ep")
     mesh = sharding.make_mesh(preset)
@@ -251,7 +274,46 @@ def test_the_expert_axis_moves_tokens_by_all_to_all_and_gathers_no_experts():
                                       RATES).compile().as_text()
     lines = text.splitlines()
     assert sum(" all-to-all(" in line for line in lines) >= 4  # there and back, both passes
-    assert not [line for line in lines if " all-gather(" in line]
+    # The experts' weights are gathered only in the branch a crowded step takes (a router that
+    # sends one device's experts more rows than the all-to-all buffers hold).
+    gathers = [line for line in lines if " all-gather(" in line]
+    assert gathers and all("/shard_map/cond/branch_1_fun/" in line for line in gathers)
+
+
+@pytest.mark.slow  # the default run checks the all-to-all through three steps under `ep`
+@pytest.mark.parametrize("routing", ["spread", "all to expert 5"])
+def test_dispatch_under_the_expert_axis_equals_dispatch_on_one_device(routing):
+    """Tokens spread over the experts travel by all-to-all; when one device's experts are owed
+    more rows than the buffers hold, the step gathers the weights instead: the same numbers
+    either way, value and gradients."""
+    B, T, D, F, E = 16, 8, 16, 24, 8
+    keys = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(keys[0], (B, T, D))
+    chosen = jax.random.randint(keys[1], (B, T, 2), 0, E)
+    chosen = chosen.at[..., 1].set((chosen[..., 0] + 1) % E)
+    if routing != "spread":
+        chosen = chosen.at[..., 0].set(5).at[..., 1].set(6)
+    weights = jax.nn.softmax(jax.random.normal(keys[2], (B, T, 2)), axis=-1)
+    params = tuple(jax.random.normal(k, s) * 0.1
+                   for k, s in zip(keys[3:], [(E, D, F), (E, D, F), (E, F, D)]))
+
+    def loss(x, weights, *params):
+        y = experts.dropless(x, chosen, weights, params, kernels.active().expert_ffn)
+        return jnp.sum(jnp.sin(y)), y
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
+    (_, want), want_grads = grad(x, weights, *params)
+    preset = sharding.load_preset("ep")
+    mesh = sharding.make_mesh(preset)
+    with sharding.use_preset(preset, mesh):
+        split = jax.sharding.NamedSharding(mesh, jax.P("expert"))
+        placed = [jax.device_put(a, split) for a in (x, weights, *params)]
+        (_, got), got_grads = grad(*placed)
+        text = grad.lower(*placed).compile().as_text()
+    assert " all-to-all(" in text and " all-gather(" in text  # both branches are there
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
 # Runs, decoding, the explainer, bad requests ----------------------------------------------
@@ -300,7 +362,6 @@ def test_tensorboard_shows_each_experts_share(tmp_path):
     board.write({"step": 1, "loss": 3.0, "aux_loss": 0.02, "expert_share": [0.75, 0.25],
                  "expert_share_max": 0.75})
     board.close()
-    from conftest import tensorboard_scalars
     scalars = tensorboard_scalars(tmp_path / "tb")
     assert scalars["experts/share/0"] == [(1, 0.75)] and scalars["experts/share/1"] == [(1, 0.25)]
     assert scalars["experts/largest_share"] == [(1, 0.75)]

@@ -89,3 +89,21 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, stories_file, monkeypatch):
     for expected in EXPECTED[name]:
         assert expected in text, f"{name}: {expected!r} not in the outputs"
     assert not list(NOTEBOOK_DIR.glob("runs")), "notebooks write under MINIGPT_RUNS"
+
+
+def test_the_notebooks_use_the_public_api_for_what_it_covers():
+    """What the package top offers (`minigpt.__all__`: configs, the zoo, presets, train, load a
+    run, generate, chat, data, checkpoints in and out) the notebooks reach through `minigpt.`;
+    they import modules only to look inside (the explainer, the loader, the schedules)."""
+    import re
+
+    import minigpt
+
+    public = set(minigpt.__all__) | {"load_for_generation", "resolve_data", "prepare_text"}
+    for name in NOTEBOOKS:
+        code = "\n".join("".join(c["source"]) for c in json.loads(
+            (NOTEBOOK_DIR / name).read_text())["cells"] if c["cell_type"] == "code")
+        assert "import minigpt\n" in code, name
+        imported = {n.strip() for group in re.findall(r"from minigpt[\w.]* import \(?([\w, \n]+)",
+                                                      code) for n in group.split(",")}
+        assert not imported & public, (name, sorted(imported & public))

@@ -4,6 +4,8 @@ latest weights loaded as one object."""
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +70,40 @@ def test_loading_a_directory_that_is_not_a_trained_run_says_what_to_do(tmp_path)
     RunDir(tmp_path).write(ModelConfig(), TrainConfig())
     with pytest.raises(RunError, match="holds no checkpoints/ directory: train it first"):
         load_run(tmp_path)
+
+
+def test_a_run_imported_by_an_earlier_version_still_generates_exports_and_seeds_runs(
+        tmp_path, capsys):
+    """Earlier versions converted an imported tokenizer into `vocabulary.tiktoken` (ranks, with
+    its split regex and special tokens in `vocabulary.json`) and named it in config.json: such a
+    run keeps generating, exporting and starting new runs."""
+    from hf_checkpoints import llama_checkpoint, write_hf
+
+    from minigpt import generate, hub
+    from minigpt.tokenizer import PATTERN, load_tokenizer, write_ranks
+
+    config, tensors = llama_checkpoint(L=2)
+    hf = write_hf(tmp_path / "hf", config, tensors, tokenizer="tinystories-4k")
+    run = tmp_path / "old"
+    assert hub.main(["import", str(hf), "--out", str(run)]) == 0
+    shutil.rmtree(run / "tokenizer")  # the previous format: a converted vocabulary instead
+    write_ranks(load_tokenizer("tinystories-4k").ranks, run / "vocabulary.tiktoken",
+                {"vocab_size": 4096, "special_tokens": {"<|endoftext|>": 4095},
+                 "pat_str": PATTERN, "source": {"file": "tokenizer.json"},
+                 "converted_by": "minigpt.hf_tokenizer.save_as_tiktoken"})
+    saved = json.loads((run / "config.json").read_text())
+    saved["model"]["tokenizer"] = "vocabulary.tiktoken"
+    (run / "config.json").write_text(json.dumps(saved))
+    loaded = load_run(run)
+    assert loaded.tokenizer.encode_ordinary("Once upon a time") == load_tokenizer(
+        "tinystories-4k").encode_ordinary("Once upon a time")
+    capsys.readouterr()
+    assert generate.main(["--run", str(run), "--max-new-tokens", "5", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("Once upon a time")
+    assert hub.main(["export", "--run", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())[
+        "eos_token_id"] == 4095
+    new = RunDir(tmp_path / "new")
+    from minigpt.runs import keep_vocabulary
+    kept = keep_vocabulary(str((run / "vocabulary.tiktoken").absolute()), run, new.path)
+    assert Path(kept).read_bytes() == (run / "vocabulary.tiktoken").read_bytes()

@@ -39,7 +39,8 @@ def test_a_run_writes_its_directory_and_honest_metrics(config):
                                                      "metrics.jsonl", "tensorboard"]
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3, 6]
     saved = json.loads((out / "config.json").read_text())
-    assert saved["model"] == dataclasses.asdict(MODEL) and saved["preset"] == "fsdp"
+    as_json = json.loads(json.dumps(dataclasses.asdict(MODEL)))  # tuples are lists there
+    assert saved["model"] == as_json and saved["preset"] == "fsdp"
     assert saved["tokenizer"] == "gpt2"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_records = [r for r in records if "loss" in r]

@@ -94,7 +94,12 @@ def to_ours(lora_a: np.ndarray, lora_b: np.ndarray, a_shape: tuple[int, ...],
 
 
 def _by_path(model: nnx.Module, cfg: ModelConfig) -> list[tuple[Module, lora.Adapter]]:
+    """Each adapter of the model with its row of the table."""
     table = {m.path: m for m in modules(cfg)}
+    missing = [".".join(path) for path, _ in lora.adapted(model) if path not in table]
+    if missing:
+        raise HubError(f"the adapters of {', '.join(missing)} have no PEFT module name in a "
+                       f"{cfg.arch} checkpoint: export the run merged, without --adapter")
     return [(table[path], dense.lora) for path, dense in lora.adapted(model)]
 
 

@@ -44,7 +44,7 @@ class BlockStack(nnx.Module):
     pipeline settings say. A block is called as `block(x, positions, kv, keys) -> (x, kv)`, or
     `(x, kv, report)` where it has something to report (a mixture of experts: the router's
     penalties and counts, `minigpt.models.moe`), which the stack sums over its layers; layer i
-    draws its dropout masks from every row's key folded with i. The stack owns the
+    draws its dropout masks from every token's key folded with i. The stack owns the
     layout of the key/value cache ([L, B, S, K, H] keys and values), so callers treat the
     cache as opaque.
     """

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt.config import ConfigError
+from minigpt.config import LORA_TARGETS, ConfigError
 from minigpt.models.layers import Dense, dropout, fold_keys
 from minigpt.models.moe import STACKED_EXPERTS
 from minigpt.sharding import constrain
@@ -170,10 +170,11 @@ def projections(model: nnx.Module) -> list[tuple[tuple[str, ...], Dense]]:
 
 def check_targets(model: nnx.Module, targets: tuple[str, ...], arch: str) -> None:
     """Refuse a target that names no projection of the model (ConfigError, naming those it
-    has)."""
+    has). The default targets mean those of attention and the feed-forward the model has (a
+    GELU MLP has no `gate`)."""
     names = sorted({path[-1] for path, _ in projections(model)})
-    unknown = [t for t in targets if t not in names]
-    if not targets or unknown:
+    unknown = [t for t in targets if t not in names and tuple(targets) != LORA_TARGETS]
+    if not set(targets) & set(names) or unknown:
         raise ConfigError(f"train.lora_targets {', '.join(unknown) or '(none)'}: name no layer "
                           f"of the {arch} model; its projections are {', '.join(names)}")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from minigpt.checkpoint import restore_weights
@@ -43,14 +44,16 @@ def check(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
         lora.check_targets(model, wanted.targets, model_cfg.arch)
 
 
-def build(model_cfg: ModelConfig, train_cfg: TrainConfig) -> tuple[nnx.Module, nnx.Optimizer]:
+def build(model_cfg: ModelConfig, train_cfg: TrainConfig, *,
+          replicated: bool = False) -> tuple[nnx.Module, nnx.Optimizer]:
     """The model, with the run's adapters, and its optimizer, which keeps state for what trains
-    alone (`lora.trainable`). Run inside `sharding.create_sharded`, every array is born sharded."""
+    alone (`lora.trainable`). Run inside `sharding.create_sharded`, every array is born sharded
+    (`replicated`: the adapters whole on every device, bench/bench_lora.py's comparison)."""
     rngs = nnx.Rngs(train_cfg.seed)
     model = build_model(model_cfg, rngs=rngs)
     wanted = requested(train_cfg)
     if wanted is not None:
-        lora.attach(model, wanted, key=rngs.params())
+        lora.attach(model, wanted, key=rngs.params(), replicated=replicated)
     return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=lora.trainable(model))
 
 
@@ -62,25 +65,38 @@ def start_from(model: nnx.Module, source: Path, wanted: lora.Adapters | None, *,
     model's adapters adapt, unchanged (None when they exist in no run: adapters were folded in)."""
     saved = RunDir(source).read()
     theirs = saved.adapters
-    if wanted is not None and wanted.same_weights(theirs):
-        restored = restore_weights(RunDir(source).checkpoints, model)
-        say(f"starting from the weights and adapters of {source} at its step "
-            f"{restored['step']} (a fresh optimizer, step 0)")
-        return (saved.record.get("adapters") or {}).get("base")
-    held = lora.detach(model)
-    if theirs is not None:  # read them beside the weights, then fold them in
+    continuing = wanted is not None and wanted.same_weights(theirs)
+    held = [] if continuing else lora.detach(model)
+    if theirs is not None and not continuing:  # read them beside the weights, to fold them in
         lora.attach(model, theirs, key=jax.random.key(0))
         for _, dense in lora.adapted(model):
             replicated = jax.NamedSharding(dense.kernel.get_value().sharding.mesh, jax.P())
-            for p in (dense.lora.a, dense.lora.b):
-                p.set_value(jax.device_put(p.get_value(), replicated))
+            for p in (dense.lora.a, dense.lora.b):  # the same values in every process
+                p.set_value(jax.device_put(np.asarray(p.get_value()), replicated))
+    _release(model)
     restored = restore_weights(RunDir(source).checkpoints, model)
+    if continuing:
+        say(f"starting from the weights and adapters of {source} at its step "
+            f"{restored['step']} (a fresh optimizer, step 0)")
+        return (saved.record.get("adapters") or {}).get("base")
     lora.merge(model)
     lora.reattach(held)
     merged = " with its adapters folded into them" if theirs is not None else ""
     say(f"starting from the weights of {source} at its step {restored['step']}{merged} (a "
         f"fresh optimizer, step 0)")
     return None if theirs is not None else str(Path(source).absolute())
+
+
+def _release(model: nnx.Module) -> None:
+    """Drop the arrays a model was built with, keeping the shape, dtype and sharding of each,
+    where the restore that replaces them reads the start weights: the host never holds both
+    (for a 1B model, 5 GB less at the peak of `--init-from`)."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.Array):
+            value = node.get_value()
+            node.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                                sharding=value.sharding))
+            value.delete()
 
 
 def record(cfg: TrainConfig, base: str | None) -> dict[str, Any]:

@@ -1,10 +1,7 @@
-"""Configuration: frozen dataclasses for the model and the training run.
-
-A `ModelConfig` says everything needed to rebuild a model (it is what `config.json` in a run
-directory stores); a `TrainConfig` says how to train it. Both check their invariants when they are
-built, so a bad value fails at the command line rather than deep inside a compiled step. Values are
-changed with `dataclasses.replace`, or from the command line with `--set key=value`, which
-`apply_overrides` parses against the field's declared type.
+"""Configuration: frozen dataclasses for the model (what `config.json` in a run directory stores)
+and the training run, each checking its invariants when built, so a bad value fails at the command
+line rather than inside a compiled step. `--set key=value` (minigpt.train.cli) parses against the
+field's declared type; `check_value` is the one type check behind every way a value arrives.
 """
 
 from __future__ import annotations
@@ -12,12 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
-import tomllib
-import types
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 
@@ -396,19 +389,6 @@ def warmup_for(cfg: TrainConfig) -> int:
     return max(1, min(100, (cfg.decay_steps or cfg.steps) // 10))
 
 
-def parse_duration(text: str) -> float:
-    """Seconds in "90", "90s", "10m", "1.5h" or "1h30m"."""
-    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "": 1.0}
-    parts = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?\s*[hms]?\s*)+)", text or "")
-    pieces = re.findall(r"(\d+(?:\.\d*)?)\s*([hms]?)", text) if parts else []
-    if not pieces or (len(pieces) > 1 and any(unit == "" for _, unit in pieces)):
-        raise ConfigError(f"expected a duration such as 600, 90s, 10m or 1h30m, got {text!r}")
-    seconds = sum(float(n) * units[unit] for n, unit in pieces)
-    if seconds <= 0:
-        raise ConfigError(f"a time budget must be positive, got {text!r}")
-    return seconds
-
-
 def parse_step_range(text: str) -> tuple[int, int]:
     """Parse "a:b" into (a, b) with 0 <= a < b."""
     try:
@@ -418,72 +398,3 @@ def parse_step_range(text: str) -> tuple[int, int]:
     if not 0 <= a < b:
         raise ConfigError(f"step range {text!r} must satisfy 0 <= a < b")
     return a, b
-
-
-def _parse_value(text: str, annotation: Any, key: str) -> Any:
-    """Convert `text` to the type a dataclass field declares (str annotations resolved)."""
-    origin = typing.get_origin(annotation)
-    if origin is tuple:
-        item = typing.get_args(annotation)[0]
-        return tuple(_parse_value(part, item, key) for part in text.split(",") if part)
-    if origin in (types.UnionType, typing.Union):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if annotation is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--set {key}: expected true or false, got {text!r}")
-    try:
-        return annotation(text)
-    except ValueError:
-        raise ConfigError(
-            f"--set {key}: expected {annotation.__name__}, got {text!r}") from None
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
-    """`key=value` strings (a key is `field`, `model.field` or `train.field`) as the changes they
-    make: {"model": {field: value}, "train": {field: value}}, values of the declared types."""
-    changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
-    hints = {"model": typing.get_type_hints(ModelConfig),
-             "train": typing.get_type_hints(TrainConfig)}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        scope, _, name = key.rpartition(".")
-        scopes = [scope] if scope else [s for s in ("model", "train") if name in hints[s]]
-        if not scopes or scopes[0] not in hints or name not in hints[scopes[0]]:
-            known = sorted(f"model.{n}" for n in hints["model"]) + sorted(
-                f"train.{n}" for n in hints["train"])
-            raise ConfigError(f"--set: unknown field {key!r}; known fields: {', '.join(known)}")
-        if len(scopes) > 1:
-            raise ConfigError(f"--set: {name!r} is ambiguous; write model.{name} or train.{name}")
-        changes[scopes[0]][name] = _parse_value(value, hints[scopes[0]][name], key)
-    return changes
-
-
-def apply_overrides(model: ModelConfig, train: TrainConfig,
-                    overrides: list[str]) -> tuple[ModelConfig, TrainConfig]:
-    """Apply `key=value` strings; a key is `field`, `model.field` or `train.field`."""
-    changes = parse_overrides(overrides)
-    return (dataclasses.replace(model, **changes["model"]),
-            dataclasses.replace(train, **changes["train"]))
-
-
-def read_named_toml(name_or_path: str | Path, directory: Path, kind: str,
-                    error: type[Exception]) -> tuple[Path, dict[str, Any]]:
-    """The file `directory/<name>.toml` (a preset, a recipe), or the .toml file at a path, and
-    its contents. An unknown name (the message lists the known ones) or invalid TOML raises
-    `error`."""
-    path = Path(name_or_path)
-    if path.suffix != ".toml":
-        path = directory / f"{name_or_path}.toml"
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in directory.glob("*.toml"))) or "(none found)"
-        raise error(f"unknown {kind} {str(name_or_path)!r}: choose one of {known} or give the "
-                    f"path of a .toml file")
-    try:
-        return path, tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise error(f"{kind} {path.stem!r} ({path}) is not valid TOML: {e}") from None

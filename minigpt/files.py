@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import tomllib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -56,3 +58,21 @@ def sha256(path: str | Path, hasher=None) -> str:
         while chunk := f.read(CHUNK_BYTES):
             hasher.update(chunk)
     return hasher.hexdigest()
+
+
+def read_named_toml(name_or_path: str | Path, directory: Path, kind: str,
+                    error: type[Exception]) -> tuple[Path, dict[str, Any]]:
+    """The file `directory/<name>.toml` (a preset, a recipe), or the .toml file at a path, and
+    its contents. An unknown name (the message lists the known ones) or invalid TOML raises
+    `error`."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = directory / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in directory.glob("*.toml"))) or "(none found)"
+        raise error(f"unknown {kind} {str(name_or_path)!r}: choose one of {known} or give the "
+                    f"path of a .toml file")
+    try:
+        return path, tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{kind} {path.stem!r} ({path}) is not valid TOML: {e}") from None

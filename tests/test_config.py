@@ -9,13 +9,13 @@ from minigpt.config import (
     ConfigError,
     ModelConfig,
     TrainConfig,
-    apply_overrides,
-    parse_duration,
     parse_step_range,
     warmup_for,
 )
 from minigpt.models import get_config
 from minigpt.tokenizer import load_tokenizer
+from minigpt.train.budget import parse_duration
+from minigpt.train.cli import apply_overrides
 from minigpt.train.recipes import available_recipes, load_recipe
 
 

@@ -162,16 +162,25 @@ def _tokenize(files: list[StoryFile], splits_of: list[str], splits: dict[str, _T
     return sources
 
 
+def _separating_tokenizer(name: str):
+    """The tokenizer `name`, which must have an end or a begin token to mark documents apart."""
+    enc = load_tokenizer(name)
+    if enc.eot_token is None and enc.bos_token is None:
+        raise DataError(f"the tokenizer {name} has neither an end nor a begin token, so "
+                        f"documents cannot be told apart in the token stream: give it one "
+                        f"(eos_token in its tokenizer_config.json)")
+    return enc
+
+
 def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
             val_files: Sequence[str | Path] = (), val_fraction: float = DEFAULT_VAL_FRACTION,
             tokenizer: str = DEFAULT_TOKENIZER, complete: bool = False,
             dataset: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
     """Tokenize story files into `out_dir/{train,val}.bin` + `meta.json`; return the meta.
 
-    With `val_files`, they are the validation split; otherwise `val_fraction` of the stories of
-    `train_files` are held out. `complete` marks sources known to be whole (verified downloads),
-    whose last story is kept even without a closing separator. `dataset` is provenance stored in
-    meta.json. Unchanged sources and settings reuse the existing files.
+    `val_files` are the validation split, or else `val_fraction` of the stories are held out.
+    `complete`: sources known to be whole (verified downloads), their last story kept without a
+    closing separator. `dataset`: provenance for meta.json. Unchanged inputs reuse the files.
     """
     out_dir = Path(out_dir)
     if not train_files:
@@ -185,11 +194,7 @@ def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
     if is_current(out_dir, settings, inputs):
         return load_meta(out_dir)
 
-    enc = load_tokenizer(tokenizer)
-    if enc.eot_token is None and enc.bos_token is None:
-        raise DataError(f"the tokenizer {tokenizer} has neither an end nor a begin token, so "
-                        f"documents cannot be told apart in the token stream: give it one "
-                        f"(eos_token in its tokenizer_config.json)")
+    enc = _separating_tokenizer(tokenizer)
     dtype = np.dtype(np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32)
     files = [StoryFile(path, complete=complete) for path, _ in inputs]  # fails fast on bad files
     fraction = Fraction(val_fraction).limit_denominator(10_000)

@@ -45,11 +45,12 @@ from minigpt.hub.architectures import (
     TENSORS,
     HubError,
     Tensor,
-    hf_config,
-    model_config,
+    hf_name,
+    instances,
     to_hf,
     to_ours,
 )
+from minigpt.hub.configs import hf_config, model_config
 from minigpt.hub.safetensors import Checkpoint, WeightsError, resolve_inside
 from minigpt.hub.safetensors import save as save_weights
 from minigpt.models import build_model, count_params
@@ -102,7 +103,7 @@ def _first_line(error: BaseException) -> str:
 
 def read_config(directory: Path) -> dict[str, Any]:
     """A Hugging Face config.json, which must be a JSON object (its fields are checked where
-    they are read, `architectures.model_config`)."""
+    they are read, `configs.model_config`)."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except FileNotFoundError:
@@ -128,16 +129,16 @@ class Source:
         self.tensors = TENSORS[cfg.arch](cfg)
         keys = set(self.checkpoint.keys())
         first = self.tensors[0]  # the token embedding
-        self.prefix = next((p for p in ("", "transformer.") if self._name(first, 0, p) in keys),
+        self.prefix = next((p for p in ("", "transformer.") if self._name(first, (), p) in keys),
                            None)
         if self.prefix is None:
             raise HubError(f"{directory} does not hold {cfg.arch} weights: no tensor named "
                            f"{first.name!r} (with or without a prefix)")
-        self.dtype = self.checkpoint.dtype(self._name(first, 0))  # as the file stores it
+        self.dtype = self.checkpoint.dtype(self._name(first, ()))  # as the file stores it
         used = set()
         for tensor in self.tensors:
-            for i in range(cfg.num_layers if tensor.stacked else 1):
-                name = self._name(tensor, i)
+            for ids in instances(tensor, cfg):
+                name = self._name(tensor, ids)
                 if name not in keys:
                     raise HubError(f"{directory} lacks {name}, which a {cfg.arch} model with "
                                    f"this config.json needs")
@@ -156,22 +157,26 @@ class Source:
                            f"({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}): "
                            f"its config.json and weights disagree")
 
-    def _name(self, tensor: Tensor, layer: int, prefix: str | None = None) -> str:
+    def _name(self, tensor: Tensor, ids: tuple[int, ...] | int, prefix: str | None = None) -> str:
         prefix = self.prefix if prefix is None else prefix
-        name = tensor.name.format(i=layer)
+        name = hf_name(tensor, ids)
         # GPT-2 files name tensors with or without "transformer."; Llama's always carry "model."
         # except the untied head.
         return name if name.startswith(("model.", "lm_head.")) else prefix + name
 
-    def read(self, tensor: Tensor, shape: tuple[int, ...], index: tuple[slice, ...]):
-        """Our parameter's piece at `index` (a device's shard), read from the file: float32."""
-        if tensor.stacked:
-            layers = range(shape[0])[index[0]]
-            return np.stack([self._one(tensor, i, shape[1:], index[1:]) for i in layers])
-        return self._one(tensor, 0, shape, index)
+    def read(self, tensor: Tensor, shape: tuple[int, ...], index: tuple[slice, ...],
+             ids: tuple[int, ...] = ()):
+        """Our parameter's piece at `index` (a device's shard), read from the file: float32.
+        A parameter stacked over layers (and experts) is one file tensor per layer (and
+        expert): only those of the device's own layers and experts are read."""
+        if len(ids) < tensor.stack_depth:
+            picked = range(shape[0])[index[0]]
+            return np.stack([self.read(tensor, shape[1:], index[1:], (*ids, i)) for i in picked])
+        return self._one(tensor, ids, shape, index)
 
-    def _one(self, tensor: Tensor, layer: int, shape: tuple[int, ...], index) -> np.ndarray:
-        view = to_ours(tensor, self.checkpoint[self._name(tensor, layer)], shape)
+    def _one(self, tensor: Tensor, ids: tuple[int, ...], shape: tuple[int, ...],
+             index) -> np.ndarray:
+        view = to_ours(tensor, self.checkpoint[self._name(tensor, ids)], shape)
         if not tensor.padded or shape[0] == view.shape[0]:
             return np.asarray(view[index], dtype=np.float32)
         rows = range(shape[0])[index[0]]  # padding rows beyond the file's are zeros
@@ -309,9 +314,9 @@ def hf_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
     tensors = TENSORS[cfg.arch](cfg)
     for tensor in tensors:
         array = state[tensor.path]
-        for i in range(cfg.num_layers if tensor.stacked else 1):
-            piece = to_hf(tensor, array[i] if tensor.stacked else array)
-            parts.setdefault(tensor.name.format(i=i), []).append((tensor.part[0], piece))
+        for ids in instances(tensor, cfg):
+            piece = to_hf(tensor, array[ids])
+            parts.setdefault(hf_name(tensor, ids), []).append((tensor.part[0], piece))
     prefix = "transformer." if cfg.arch == "gpt2" else ""
     out = {}
     for name, pieces in parts.items():

@@ -240,6 +240,8 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, frozen, *, grads:
         return buf.at[i].set(jnp.where(ok, value, buf[i]))
 
     def tick(carry, t):
+        """Time step t at stage s: a forward, maybe the head, maybe a backward; long because the
+        three read and write the same seven carried buffers; apart, each would pass them all."""
         inbox, ginbox, stash, d_rest, d_blocks, loss, stats = carry
         # Forward of one microbatch's chunk, its input from the embedding or the inbox; the
         # chunk's penalty joins the loss, its statistics the sums.

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from minigpt.config import read_named_toml
+from minigpt.files import read_named_toml
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
 

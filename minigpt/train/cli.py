@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import types
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,14 +27,13 @@ from minigpt.config import (
     ConfigError,
     ModelConfig,
     TrainConfig,
-    parse_duration,
-    parse_overrides,
 )
 from minigpt.data.token_files import DataError
 from minigpt.models import get_config
 from minigpt.runs import RunDir, RunError, resume_configs
 from minigpt.sharding import PresetError
 from minigpt.tokenizer import TokenizerError, load_tokenizer
+from minigpt.train.budget import parse_duration
 from minigpt.train.lock import RunLocked
 from minigpt.train.metrics import TrainingDiverged
 from minigpt.train.recipes import load_recipe
@@ -48,6 +49,57 @@ FLAG_FIELDS = {"preset": "preset", "data": "data", "steps": "steps", "batch_size
                "seq_len": "seq_len", "lr": "lr", "seed": "seed", "out": "out",
                "eval_every": "eval_every", "save_every": "save_every",
                "profile_steps": "profile_steps"}
+
+
+def _parse_value(text: str, annotation: Any, key: str) -> Any:
+    """Convert `text` to the type a dataclass field declares (str annotations resolved)."""
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        item = typing.get_args(annotation)[0]
+        return tuple(_parse_value(part, item, key) for part in text.split(",") if part)
+    if origin in (types.UnionType, typing.Union):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--set {key}: expected true or false, got {text!r}")
+    try:
+        return annotation(text)
+    except ValueError:
+        raise ConfigError(
+            f"--set {key}: expected {annotation.__name__}, got {text!r}") from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """`key=value` strings (a key is `field`, `model.field` or `train.field`) as the changes they
+    make: {"model": {field: value}, "train": {field: value}}, values of the declared types."""
+    changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+    hints = {"model": typing.get_type_hints(ModelConfig),
+             "train": typing.get_type_hints(TrainConfig)}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        scope, _, name = key.rpartition(".")
+        scopes = [scope] if scope else [s for s in ("model", "train") if name in hints[s]]
+        if not scopes or scopes[0] not in hints or name not in hints[scopes[0]]:
+            known = sorted(f"model.{n}" for n in hints["model"]) + sorted(
+                f"train.{n}" for n in hints["train"])
+            raise ConfigError(f"--set: unknown field {key!r}; known fields: {', '.join(known)}")
+        if len(scopes) > 1:
+            raise ConfigError(f"--set: {name!r} is ambiguous; write model.{name} or train.{name}")
+        changes[scopes[0]][name] = _parse_value(value, hints[scopes[0]][name], key)
+    return changes
+
+
+def apply_overrides(model: ModelConfig, train: TrainConfig,
+                    overrides: list[str]) -> tuple[ModelConfig, TrainConfig]:
+    """Apply `key=value` strings; a key is `field`, `model.field` or `train.field`."""
+    changes = parse_overrides(overrides)
+    return (dataclasses.replace(model, **changes["model"]),
+            dataclasses.replace(train, **changes["train"]))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,9 +17,9 @@ from minigpt.config import (
     TrainConfig,
     check_value,
     field_types,
-    parse_duration,
-    read_named_toml,
 )
+from minigpt.files import read_named_toml
+from minigpt.train.budget import parse_duration
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 

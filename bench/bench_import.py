@@ -32,9 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def write_llama_1b(directory: Path) -> tuple[int, int]:
-    """A random Llama 3.2 1B in the Hub's layout, bfloat16; returns its size in bytes and that
-    of its largest tensor."""
+def write_llama(directory: Path, *, hidden: int, layers: int, heads: int, kv_heads: int,
+                intermediate: int, vocab: int, config: dict) -> int:
+    """A random tied Llama-family checkpoint in the Hub's layout, bfloat16, with a small
+    tokenizer.json (the tokenizer is not what is measured); `config` adds to config.json's shape
+    fields. Returns its size in bytes. bench_lora.py writes its shapes with it too."""
     import ml_dtypes
     import numpy as np
 
@@ -42,7 +44,7 @@ def write_llama_1b(directory: Path) -> tuple[int, int]:
     from minigpt.hub.tokenizer_export import tokenizer_json_from_encoding
     from minigpt.tokenizer import load_tokenizer
 
-    D, L, N, K, F, V = 2048, 16, 32, 8, 8192, 128256
+    D, L, N, K, F, V = hidden, layers, heads, kv_heads, intermediate, vocab
     H = D // N
     rng = np.random.default_rng(0)
 
@@ -65,15 +67,25 @@ def write_llama_1b(directory: Path) -> tuple[int, int]:
     (directory / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
         "hidden_size": D, "intermediate_size": F, "num_hidden_layers": L,
-        "num_attention_heads": N, "num_key_value_heads": K, "head_dim": H,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "hidden_act": "silu", "tie_word_embeddings": True, "bos_token_id": 128000,
-        "eos_token_id": 128001, "torch_dtype": "bfloat16"}))
+        "num_attention_heads": N, "num_key_value_heads": K, "head_dim": H, "rms_norm_eps": 1e-5,
+        "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        **config}))
     (directory / "tokenizer.json").write_text(json.dumps(
         tokenizer_json_from_encoding(load_tokenizer("tinystories-4k"))))
-    return sum(a.nbytes for a in tensors.values()), V * D * 2
+    return sum(a.nbytes for a in tensors.values())
+
+
+def write_llama_1b(directory: Path) -> tuple[int, int]:
+    """A random Llama 3.2 1B in the Hub's layout, bfloat16, its rope scaling included; returns
+    its size in bytes and that of its largest tensor."""
+    size = write_llama(directory, hidden=2048, layers=16, heads=32, kv_heads=8,
+                       intermediate=8192, vocab=128256, config={
+                           "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                           "rope_scaling": {"rope_type": "llama3", "factor": 32.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192},
+                           "bos_token_id": 128000, "eos_token_id": 128001})
+    return size, 128256 * 2048 * 2
 
 
 def write_gpt2_124m(directory: Path) -> tuple[int, int]:

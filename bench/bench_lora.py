@@ -49,44 +49,13 @@ GIB = 2**30
 
 
 def write_checkpoint(shape: str, directory: Path) -> int:
-    """A random tied Llama-family checkpoint of `shape` in the Hub's layout, bfloat16, with
-    `minigpt.hub.safetensors.save`; returns its bytes."""
-    import ml_dtypes
-    import numpy as np
-
-    from minigpt.hub import safetensors as weights
-    from minigpt.hub.tokenizer_export import tokenizer_json_from_encoding
-    from minigpt.tokenizer import load_tokenizer
+    """A random tied Llama-family checkpoint of `shape` in the Hub's layout, bfloat16; returns
+    its bytes."""
+    from bench.bench_import import write_llama
 
     D, L, N, K, F, V, theta, _ = SHAPES[shape]
-    H = D // N
-    rng = np.random.default_rng(0)
-
-    def t(*dims, base=0.0):
-        return (base + rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(
-            ml_dtypes.bfloat16)
-
-    tensors = {"model.embed_tokens.weight": t(V, D), "model.norm.weight": t(D, base=1.0)}
-    for i in range(L):
-        p = f"model.layers.{i}"
-        tensors |= {f"{p}.input_layernorm.weight": t(D, base=1.0),
-                    f"{p}.post_attention_layernorm.weight": t(D, base=1.0),
-                    f"{p}.self_attn.q_proj.weight": t(N * H, D),
-                    f"{p}.self_attn.k_proj.weight": t(K * H, D),
-                    f"{p}.self_attn.v_proj.weight": t(K * H, D),
-                    f"{p}.self_attn.o_proj.weight": t(D, N * H),
-                    f"{p}.mlp.gate_proj.weight": t(F, D), f"{p}.mlp.up_proj.weight": t(F, D),
-                    f"{p}.mlp.down_proj.weight": t(D, F)}
-    weights.save(tensors, directory, max_file_bytes=2**33)
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V,
-        "hidden_size": D, "intermediate_size": F, "num_hidden_layers": L,
-        "num_attention_heads": N, "num_key_value_heads": K, "head_dim": H,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": theta,
-        "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16"}))
-    (directory / "tokenizer.json").write_text(json.dumps(
-        tokenizer_json_from_encoding(load_tokenizer("tinystories-4k"))))
-    return sum(a.nbytes for a in tensors.values())
+    return write_llama(directory, hidden=D, layers=L, heads=N, kv_heads=K, intermediate=F,
+                       vocab=V, config={"max_position_embeddings": 2048, "rope_theta": theta})
 
 
 def free_bytes() -> int:

@@ -24,6 +24,7 @@ may move. Importing `minigpt` is cheap: each name loads its module when first us
     smol = minigpt.load_run("runs/smol")
     reply = minigpt.chat(smol.model, smol.tokenizer, [{"role": "user", "content": "Hi!"}])
     minigpt.export_run("runs/smol", "exported/smol")
+    minigpt.export_adapter("runs/smol-lora", "exported/smol-lora")  # a LoRA run, for PEFT
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ _PUBLIC = {
     "prepare_data": ("minigpt.data", "resolve_data"),
     "import_checkpoint": "minigpt.hub",
     "export_run": "minigpt.hub",
+    "export_adapter": "minigpt.hub",
+    "import_adapter": "minigpt.hub",
 }
 
 __all__ = [*_PUBLIC, "generate", "train"]

@@ -154,7 +154,7 @@ def one_step(preset_name: str):
 
 
 @pytest.mark.parametrize("preset_name", [
-    "pp", pytest.param("fsdp", marks=pytest.mark.slow),
+    pytest.param("pp", marks=pytest.mark.slow), "fsdp",
     pytest.param("dp_tp", marks=pytest.mark.slow),
     pytest.param("fsdp_tp", marks=pytest.mark.slow),
     pytest.param("fsdp_pp_tp", marks=pytest.mark.slow)])
@@ -205,6 +205,7 @@ def config(data_dir, tmp_path):
                        lora_targets=("query", "value", "up"))
 
 
+@pytest.mark.slow  # the default run checks resume's exactness without adapters (test_train.py)
 @pytest.mark.usefixtures("gpt2")
 def test_a_resumed_lora_run_continues_exactly(config, tmp_path, straight):
     model = dataclasses.replace(get_config("minigpt-tiny"), dropout=0.1)

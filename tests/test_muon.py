@@ -147,6 +147,7 @@ def test_unknown_optimizer_is_refused_by_name():
         TrainConfig(optimizer="muon", muon_lr=0)
 
 
+@pytest.mark.slow  # resume's exactness is checked for AdamW in the default run (test_train.py)
 @pytest.mark.usefixtures("gpt2")
 def test_a_muon_run_resumes_bit_for_bit(data_dir, tmp_path, straight):
     model_cfg = get_config("minigpt-tiny")

@@ -61,7 +61,7 @@ def zoo_cases():
         for name in sharding.available_presets():
             if sharding.load_preset(name).mesh_axes_of("layers"):
                 continue
-            slow = model_name != "minigpt-tiny" or name not in ("fsdp", "fsdp_tp")
+            slow = model_name != "minigpt-tiny" or name != "fsdp_tp"
             yield pytest.param(model_name, name, marks=[pytest.mark.slow] if slow else [])
 
 

@@ -120,8 +120,9 @@ def base_name(run: str | Path) -> tuple[str, str | None]:
     return str(Path(base).absolute()), None
 
 
-def export_adapter(run: str | Path, out: Path) -> dict[str, Any]:
-    """Write a run's adapters as a PEFT adapter folder; returns a summary."""
+def export_adapter(run: str | Path, out: str | Path) -> dict[str, Any]:
+    """Write a run's adapters as a PEFT adapter folder `out`; returns a summary."""
+    out = Path(out)
     check_out(out)
     try:
         saved = RunDir(run).read()

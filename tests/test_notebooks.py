@@ -14,7 +14,7 @@ NOTEBOOKS = sorted(p.name for p in NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = {
     "01_train_minigpt.ipynb": ["1 device:", "'tokenizer': 'tinystories-4k', 'vocab_size': 4096",
                                "recipe='stories-cpu'", "checkpoint:", "sample:",
-                               "restored step 10"],
+                               "restored step "],
     "02_parallelism_presets.ipynb": ["largest relative difference fsdp vs dp",
                                      "'all-gather'", "parameters:",
                                      "dual chunk: busiest device does 1.00x the mean"],
@@ -26,6 +26,10 @@ EXPECTED = {
                                     "MiB of float32 weights", "model.safetensors",
                                     "adapter_model.safetensors"],
 }
+
+
+# And in a run with MINIGPT_SMALL=1 (the test below), what its small settings make exact.
+SMALL_EXPECTED = {"01_train_minigpt.ipynb": ["restored step 10"]}
 
 
 def test_the_walkthroughs_are_there():
@@ -112,7 +116,7 @@ def test_notebook_runs_top_to_bottom(name, tmp_path, stories_file, monkeypatch):
     text = "\n".join(
         out.get("text", "") + "".join(out.get("data", {}).get("text/plain", ""))
         for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs)
-    for expected in EXPECTED[name]:
+    for expected in EXPECTED[name] + SMALL_EXPECTED.get(name, []):
         assert expected in text, f"{name}: {expected!r} not in the outputs"
     assert not list(NOTEBOOK_DIR.glob("runs")), "notebooks write under MINIGPT_RUNS"
 

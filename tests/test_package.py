@@ -25,11 +25,11 @@ def imports_graph() -> dict[str, set[str]]:
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # `from package import module` depends on that module; `from module import
-                # name` on the module.
+                # `from package import module` depends on that module and on the package (its
+                # __init__, which may import the importer back); `from module import name` on
+                # the module. `import package.module` names the module alone.
                 submodules = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
-                names = [a for a in node.names if f"{node.module}.{a.name}" not in modules]
-                found |= submodules | ({node.module} if names else set())
+                found |= submodules | {node.module}
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names}
         graph[name] = {m for m in found if m in modules and m != name}

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import minigpt.hub.peft as peft
 from minigpt import sharding
 from minigpt.config import ConfigError
-from minigpt.hub import peft
 from minigpt.hub.architectures import HubError
 from minigpt.hub.convert import export_run, import_checkpoint
 from minigpt.runtime import log, plain_warnings, set_simulated_devices

@@ -35,11 +35,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+import minigpt.hub.tokenizer_export as tokenizer_export
+import minigpt.hub.tokenizer_files as tokenizer_files
 from minigpt import sharding
 from minigpt.checkpoint import Checkpointer, key_names
 from minigpt.config import ModelConfig
 from minigpt.files import write_text_atomic
-from minigpt.hub import tokenizer_export, tokenizer_files
 from minigpt.hub.architectures import (
     IGNORED_SUFFIXES,
     TENSORS,

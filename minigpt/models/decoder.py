@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import minigpt.models.kernels as kernels
+import minigpt.models.lora as lora
+import minigpt.models.loss as loss
 from minigpt import parallel, pipeline, sharding
 from minigpt.config import ModelConfig
-from minigpt.models import kernels, lora, loss
 from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys, token_keys
 from minigpt.sharding import constrain
 

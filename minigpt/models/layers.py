@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import minigpt.models.kernels as kernels
 from minigpt import parallel, sharding
 from minigpt.config import ModelConfig
-from minigpt.models import kernels
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 

@@ -17,8 +17,8 @@ import math
 import jax
 from flax import nnx
 
+import minigpt.models.kernels as kernels
 from minigpt.config import ModelConfig
-from minigpt.models import kernels
 from minigpt.models.decoder import BlockStack, DecoderLM
 from minigpt.models.layers import (
     Attention,

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import minigpt.models.kernels as kernels
 from minigpt.config import ModelConfig
-from minigpt.models import kernels
 from minigpt.models.layers import Dense
 from minigpt.parallel import experts as dispatch
 from minigpt.sharding import constrain

@@ -29,7 +29,7 @@ def train(model_cfg, train_cfg, *, resume: bool = False, sample: bool = True) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m minigpt.train`: the command line (`minigpt.train.cli`) around `train`."""
-    from minigpt.train import cli
+    import minigpt.train.cli as cli
 
     return cli.run(argv, train)
 

@@ -21,6 +21,11 @@ from typing import Any
 import jax
 from flax import nnx
 
+import minigpt.train.adapters as adapters
+import minigpt.train.flops as flops
+import minigpt.train.lr_schedule as lr_schedule
+import minigpt.train.metrics as metrics
+import minigpt.train.steps as steps
 from minigpt import pipeline, runtime, sharding
 from minigpt.checkpoint import Checkpointer
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_step_range, warmup_for
@@ -31,7 +36,6 @@ from minigpt.generate import generate
 from minigpt.runs import RunDir, check_start, keep_vocabulary
 from minigpt.runtime import log
 from minigpt.tokenizer import load_tokenizer
-from minigpt.train import adapters, flops, lr_schedule, metrics, steps
 from minigpt.train.budget import TimeBudget
 from minigpt.train.lock import hold_run_lock
 

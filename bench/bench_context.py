@@ -44,6 +44,7 @@ def worker(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
+    from bench.report import timed
     from minigpt import parallel, sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, get_config
@@ -86,13 +87,8 @@ def worker(spec: dict) -> dict:
         compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
         compile_s = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        times = []
-        if spec["repeats"]:
-            jax.block_until_ready(compiled(model, optimizer, batch, rng, rates))
-            for _ in range(spec["repeats"]):
-                start = time.perf_counter()
-                jax.block_until_ready(compiled(model, optimizer, batch, rng, rates))
-                times.append(time.perf_counter() - start)
+        times = timed(lambda: compiled(model, optimizer, batch, rng, rates),
+                      spec["repeats"])[0] if spec["repeats"] else []
     return {"temp": memory.temp_size_in_bytes,
             "resident": (memory.argument_size_in_bytes + memory.output_size_in_bytes
                          - memory.alias_size_in_bytes + memory.temp_size_in_bytes),

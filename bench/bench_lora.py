@@ -68,6 +68,7 @@ def free_bytes() -> int:
 
 def worker(spec: dict) -> dict:
     """Compile (and, where it fits, run) one configuration in this fresh process."""
+    from bench.report import timed
     from minigpt.runtime import set_simulated_devices
 
     set_simulated_devices(spec["devices"])
@@ -126,12 +127,8 @@ def worker(spec: dict) -> dict:
     with sharding.use_preset(preset, mesh):
         placed_batch = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
                                           batch_sharding)
-        jax.block_until_ready(steps.train_step(model, optimizer, placed_batch, rng, rates))
-        times = []
-        for _ in range(spec["steps"]):
-            start = time.perf_counter()
-            jax.block_until_ready(steps.train_step(model, optimizer, placed_batch, rng, rates))
-            times.append(time.perf_counter() - start)
+        times, _ = timed(lambda: steps.train_step(model, optimizer, placed_batch, rng, rates),
+                         spec["steps"])
     return {**result, "step_s": sorted(times)[len(times) // 2],
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 

@@ -44,6 +44,7 @@ def worker(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
+    from bench.report import timed
     from minigpt import sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, count_params, get_config
@@ -72,13 +73,8 @@ def worker(spec: dict) -> dict:
         compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
         compile_s = time.perf_counter() - start
         text = compiled.as_text()
-        reported = jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, rates))
-        times = []
-        for _ in range(spec["repeats"]):
-            start = time.perf_counter()
-            reported = jax.block_until_ready(steps.train_step(model, optimizer, batch, rng,
-                                                              rates))
-            times.append(time.perf_counter() - start)
+        times, reported = timed(lambda: steps.train_step(model, optimizer, batch, rng, rates),
+                                spec["repeats"])
     abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     step_s = min(times)
     return {"step_s": step_s, "compile_s": compile_s, "tokens_per_s": BATCH * T / step_s,

@@ -38,6 +38,7 @@ def worker(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
+    from bench.report import timed
     from minigpt import pipeline, sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, get_config
@@ -79,12 +80,8 @@ def worker(spec: dict) -> dict:
         compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
         compile_s = time.perf_counter() - start
         memory = compiled.memory_analysis()
-        jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, rates))
-        times = []
-        for _ in range(spec["repeats"]):
-            start = time.perf_counter()
-            jax.block_until_ready(steps.train_step(model, optimizer, batch, rng, rates))
-            times.append(time.perf_counter() - start)
+        times, _ = timed(lambda: steps.train_step(model, optimizer, batch, rng, rates),
+                         spec["repeats"])
     peak = max(peak, measure_matmul_peak(repeats=10))
     step_s = min(times)
     flops = flops_per_token(cfg, T) * B * T

@@ -10,11 +10,27 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def timed(call: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
+    """Call `call()` once to warm up, then `repeats` times, waiting for each result
+    (`jax.block_until_ready`); returns the timed calls' seconds and the last result."""
+    import jax
+
+    result = jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return times, result
 
 
 def machine(cpuinfo: str | None = None) -> str:

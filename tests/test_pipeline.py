@@ -409,13 +409,19 @@ def test_a_run_moves_between_schedules_and_presets_through_its_checkpoints(data_
     assert summary["step"] == 6 and summary["eval_loss"] is not None
     np.testing.assert_allclose(losses(first.out), losses(one.out), rtol=1e-5)
     # What the circular run saved is in the model's layer order, as the 1F1B run's is: layer
-    # by layer the weights agree (a layer out of place would differ by its whole init).
+    # by layer the weights agree. A layer out of place would differ by its whole init, nearly
+    # every entry by more than 1e-3; here under 1% of each layer's entries may. Not every entry
+    # agrees: AdamW moves a weight by about the learning rate whatever its gradient's size, so a
+    # gradient near zero whose sign depends on the order of a sum moves its weight up to twice
+    # the rate (3e-3) the other way; a slow run saw 7 of the 3,219,456 token-table entries do so.
     saved = {}
     for name in ("run", "straight"):
         restored, *_ = generate.load_for_generation(tmp_path / name, "dp")
         saved[name] = as_host(nnx.state(restored, nnx.Param))
     for key, value in saved["straight"].items():
-        np.testing.assert_allclose(saved["run"][key], value, atol=1e-3, err_msg=key)
+        moved = np.abs(saved["run"][key] - value) > 1e-3
+        per_layer = moved.reshape(16 if "['blocks']" in key else 1, -1).mean(axis=1)
+        assert (per_layer < 0.01).all(), (key, per_layer)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -26,12 +26,9 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 # runs, multi-process jobs, notebooks), is opt-in: MINIGPT_TEST_JAX_CACHE=1. It lives in a fresh
 # temporary folder with one subfolder per pytest-xdist worker (JAX writes entries without
 # locking). It is off by default: XLA:CPU (jaxlib 0.10.2, an AVX-512 Xeon) crashed in three
-# full slow runs with it, each in a worker that had run other files first (a segfault or an
-# abort in compilation_cache.put_executable_and_time, in tests that pass on their own), and once
-# more without it (a segfault in compilation, a thread that could not start beside it) while the
-# workers still kept every file's compiled programs. Since they drop them after each file
-# (_release_compiled_programs below), a full slow run passes without the cache; with it, that has
-# not been tried again.
+# full slow runs with it (a segfault or an abort in compilation_cache.put_executable_and_time),
+# before the workers dropped each file's compiled programs (_release_compiled_programs below,
+# which tells of a crash without the cache too); with the cache, that has not been tried since.
 if os.environ.get("MINIGPT_TEST_JAX_CACHE") and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     root = os.environ["MINIGPT_TEST_JAX_CACHE"]
     if root == "1":

@@ -11,10 +11,12 @@ memory.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
+import importlib.resources
 import os
 import tomllib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +62,42 @@ def sha256(path: str | Path, hasher=None) -> str:
     return hasher.hexdigest()
 
 
+def shipped_folder(name: str) -> Path:
+    """A folder of files minigpt ships beside its code (`presets`, `recipes`): inside the
+    installed package (a wheel puts the repository's top-level folder there), or, running from
+    a source checkout (an editable install), that top-level folder itself. The repository keeps
+    one copy of each file; pyproject.toml maps the folder into the package."""
+    installed = Path(str(importlib.resources.files("minigpt"))) / name
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parent.parent / name
+
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    """" (did you mean 'fsdp'?)" for a name close to one of `known`, else ""."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_name(kind: str, name: str, known: Sequence[str], *, also: str = "") -> str:
+    """The one-line refusal of a name that is not one of `known`: what was asked, the closest
+    known name, and every known one."""
+    return (f"unknown {kind} {name!r}{did_you_mean(name, known)}: choose one of "
+            f"{', '.join(known) or '(none found)'}{also}")
+
+
 def read_named_toml(name_or_path: str | Path, directory: Path, kind: str,
                     error: type[Exception]) -> tuple[Path, dict[str, Any]]:
     """The file `directory/<name>.toml` (a preset, a recipe), or the .toml file at a path, and
-    its contents. An unknown name (the message lists the known ones) or invalid TOML raises
-    `error`."""
+    its contents. An unknown name (the message names the closest and lists the known ones) or
+    invalid TOML raises `error`."""
     path = Path(name_or_path)
     if path.suffix != ".toml":
         path = directory / f"{name_or_path}.toml"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in directory.glob("*.toml"))) or "(none found)"
-        raise error(f"unknown {kind} {str(name_or_path)!r}: choose one of {known} or give the "
-                    f"path of a .toml file")
+        known = sorted(p.stem for p in directory.glob("*.toml"))
+        raise error(unknown_name(kind, str(name_or_path), known,
+                                 also=" or give the path of a .toml file"))
     try:
         return path, tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:

@@ -76,6 +76,27 @@ def test_folders_by_concern_leave_about_a_dozen_modules_at_the_top():
                                                                   "common")]
 
 
+def test_every_package_is_in_the_wheel_with_the_shipped_folders():
+    """pyproject lists the packages (find cannot map presets/ and recipes/ into the package):
+    the list is every package of the tree, and the two top-level folders of TOML files."""
+    import tomllib
+
+    setuptools = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"][
+        "setuptools"]
+    tree = {module_name(p.parent / "__init__.py") for p in PACKAGE.rglob("__init__.py")}
+    shipped = {"minigpt.presets": "presets", "minigpt.recipes": "recipes"}
+    assert set(setuptools["packages"]) == tree | set(shipped)
+    assert setuptools["package-dir"] == shipped
+    for package in shipped:
+        assert setuptools["package-data"][package] == ["*.toml"]
+
+
+def test_no_package_doorway_is_over_120_lines():
+    long = {module_name(p): n for p in PACKAGE.rglob("__init__.py")
+            if (n := len(p.read_text().splitlines())) > 120}
+    assert long == {}
+
+
 def test_no_module_is_over_four_hundred_lines():
     long = {module_name(p): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
@@ -121,6 +142,19 @@ def test_the_readme_folder_list_is_the_tree():
         row = next(line for line in inside.splitlines() if line.startswith(f"| `{folder.name}/`"))
         modules = {p.stem for p in folder.glob("*.py") if not p.stem.startswith("__")}
         assert modules <= set(re.findall(r"`(\w+)`", row)), (folder.name, modules)
+
+
+def test_the_readme_presets_table_lists_exactly_the_shipped_presets():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme.split("## Presets", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    shipped = sorted(p.stem for p in (PACKAGE.parent / "presets").glob("*.toml"))
+    assert sorted(listed) == shipped and len(listed) == len(set(listed))
+    count = {8: "Eight", 18: "Eighteen"}.get(len(shipped), str(len(shipped)))
+    for doc in ("README.md", "docs/parallelism.md"):
+        text = (PACKAGE.parent / doc).read_text()
+        assert re.search(rf"\b{count}\b", text, flags=re.I), (doc, count)
+        assert not re.search(r"\b(eleven|twelve|thirteen|fifteen) presets\b", text, re.I), doc
 
 
 def test_the_public_api_imports_from_the_top():

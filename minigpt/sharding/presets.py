@@ -16,9 +16,9 @@ from typing import Any
 
 import jax
 
-from minigpt.files import read_named_toml
+from minigpt.files import read_named_toml, shipped_folder
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "presets"
+PRESETS_DIR = shipped_folder("presets")
 
 # The logical axis vocabulary. Model code uses only these names; presets map them to mesh axes.
 LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "layers",

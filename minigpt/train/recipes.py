@@ -18,10 +18,10 @@ from minigpt.config import (
     check_value,
     field_types,
 )
-from minigpt.files import read_named_toml
+from minigpt.files import read_named_toml, shipped_folder
 from minigpt.train.budget import parse_duration
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = shipped_folder("recipes")
 
 
 @dataclass(frozen=True)

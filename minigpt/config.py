@@ -272,6 +272,10 @@ class TrainConfig:
     # keys and values of other devices: "ring" (blocks travel round the devices, memory O(T/N))
     # or "all_gather" (each device gathers them all, O(T)). Same numbers either way.
     context_strategy: str = "ring"
+    # Whether the documents packed into each window stay apart (minigpt.data.documents):
+    # attention within each document, positions from its start, no target of the next
+    # document trained. Runs from before this field trained without (config.json: false).
+    document_mask: bool = True
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     # Linear warm-up steps; -1: a tenth of the run, at most 100 (`warmup_for`), so short runs

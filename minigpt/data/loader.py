@@ -18,6 +18,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from minigpt.data.documents import window_documents
 from minigpt.data.token_files import DataError, open_split
 
 
@@ -30,8 +31,10 @@ class _ReadRows:
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, rows: int,
-                 first_row: int, seed: int, shuffle: bool):
+                 first_row: int, seed: int, shuffle: bool,
+                 documents: tuple[int, int | None] | None):
         self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
+        self.documents = documents
         self.batch_size, self.rows, self.first_row = batch_size, rows, first_row
         self.num_windows = (len(tokens) - 1) // seq_len
         self.span = np.arange(seq_len + 1)
@@ -49,14 +52,20 @@ class _ReadRows:
                 windows[epoch == e] = self._order(int(e))[windows[epoch == e]]
         chunk = self.tokens[(windows * self.seq_len)[:, None] + self.span]  # [b, T+1]
         chunk = chunk.astype(np.int32)
-        return {"inputs": np.ascontiguousarray(chunk[:, :-1]),   # [b, T]
-                "targets": np.ascontiguousarray(chunk[:, 1:])}   # [b, T]
+        batch = {"inputs": np.ascontiguousarray(chunk[:, :-1]),   # [b, T]
+                 "targets": np.ascontiguousarray(chunk[:, 1:])}   # [b, T]
+        if self.documents is not None:
+            batch.update(window_documents(chunk, *self.documents))
+        return batch
 
 
 def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, seed: int,
                    shuffle: bool = True, num_epochs: int | None = None, process_index: int = 0,
-                   process_count: int = 1) -> grain.DatasetIterator:
-    """Batches `{"inputs", "targets"}` (int32 [batch_size // process_count, seq_len]) of a split.
+                   process_count: int = 1, documents: tuple[int, int | None] | None = None
+                   ) -> grain.DatasetIterator:
+    """Batches `{"inputs", "targets"}` (int32 [batch_size // process_count, seq_len]) of a split;
+    with `documents` (the begin and end tokens: `minigpt.data.documents`) also the windows'
+    "segment_ids", "positions" and "loss_mask", so that documents stay apart.
 
     Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]. Global batch k holds windows
     order[k*batch_size : (k+1)*batch_size] of the (shuffled, repeated) window order, and process
@@ -81,7 +90,8 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
             f": use a smaller batch size or sequence length, or more text")
     rows = batch_size // process_count
     read = _ReadRows(tokens, seq_len=seq_len, batch_size=batch_size, rows=rows,
-                     first_row=process_index * rows, seed=seed, shuffle=shuffle)
+                     first_row=process_index * rows, seed=seed, shuffle=shuffle,
+                     documents=documents)
     num_batches = (sys.maxsize if num_epochs is None else num_epochs * num_windows) // batch_size
     batches = grain.MapDataset.range(num_batches).map(read)
     # Batches are cheap to gather from the page cache; a small prefetch overlaps them with the

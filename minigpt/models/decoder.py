@@ -23,6 +23,7 @@ import minigpt.models.loss as loss
 from minigpt import parallel, pipeline, sharding
 from minigpt.config import ModelConfig
 from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys, token_keys
+from minigpt.models.masks import document_positions
 from minigpt.sharding import constrain
 
 
@@ -62,30 +63,32 @@ class BlockStack(nnx.Module):
 
         self.layers = stacked(rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None):
+    def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None,
+                 segments: jax.Array | None = None):
         """(x, cache, the layers' reports summed: {} where the blocks report nothing)."""
         graphdef, params = nnx.split(self.layers)
         order = pipeline.positions_in_use(self.num_layers)
         if order is not None:  # the arrays hold a circular schedule's order: run the model's
             params = jax.tree.map(lambda a: a[np.argsort(order)], params)
-        return self._run(graphdef, params, x, positions, cache, keys, first_layer=0)
+        return self._run(graphdef, params, x, positions, cache, keys, segments, first_layer=0)
 
     def run_chunk(self, params, x: jax.Array, positions: jax.Array, keys: jax.Array | None,
-                  first_layer) -> tuple[jax.Array, dict[str, jax.Array]]:
+                  first_layer, segments: jax.Array | None = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Apply the consecutive layers whose stacked parameters are `params` (a slice of the
         stack's state, [c, ...]), numbered from `first_layer`: one pipeline stage's chunk.
         Returns its output and its layers' reports, summed."""
         x, _, report = self._run(nnx.graphdef(self.layers), params, x, positions, None, keys,
-                                 first_layer=first_layer)
+                                 segments, first_layer=first_layer)
         return x, report
 
-    def _run(self, graphdef, params, x, positions, cache, keys, *, first_layer):
+    def _run(self, graphdef, params, x, positions, cache, keys, segments, *, first_layer):
         """Apply the layers whose stacked parameters are `params`, numbered from first_layer."""
         def layer(x, layer_params, kv, index):
             block = nnx.merge(graphdef, layer_params)
             layer_keys = None if keys is None else fold_keys(keys, index)
             with lora.dropout_keys(layer_keys):  # the adapters' (the layer splits its own)
-                x, kv, *report = block(x, positions, kv, layer_keys)
+                x, kv, *report = block(x, positions, kv, layer_keys, segments)
             return constrain(x, ACTIVATION_AXES), kv, (report[0] if report else {})
 
         if self.remat:
@@ -158,15 +161,21 @@ class DecoderLM(nnx.Module):
     def head(self, x: jax.Array) -> jax.Array:
         raise NotImplementedError
 
-    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits [B, T, V] (float32, V padded, padding at -inf) for token ids [B, T].
 
-        Dropout is on exactly when a key is given, so evaluation needs no flag.
+        With `segment_ids` (int32 [B, T]: equal ids one document, 0 padding) each document
+        gets the logits it would get alone: it attends to itself only and its positions start
+        at 0 (`minigpt.models.masks`). Dropout is on exactly when a key is given, so evaluation
+        needs no flag.
         """
-        return self.logits(self.features(tokens, dropout_key=dropout_key))
+        return self.logits(self.features(tokens, segment_ids=segment_ids,
+                                         dropout_key=dropout_key))
 
     @_with_own_kernels
-    def features(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+    def features(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
         """The last layer's output [B, T, D], before the output head (the loss fuses the head
         with the softmax, so training never holds all logits at once).
 
@@ -174,56 +183,71 @@ class DecoderLM(nnx.Module):
         global batch its own, so microbatches and pipeline stages draw the masks the whole
         batch would).
         """
-        return self.features_and_report(tokens, dropout_key=dropout_key)[0]
+        return self.features_and_report(tokens, segment_ids=segment_ids,
+                                        dropout_key=dropout_key)[0]
 
     @_with_own_kernels
-    def features_and_report(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None,
-                            run_order: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def features_and_report(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                            positions: jax.Array | None = None,
+                            dropout_key: jax.Array | None = None, run_order: bool = False
+                            ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`features`, and what the blocks reported, summed over the layers ({} for a dense
-        model; a mixture of experts' penalties and counts).
+        model; a mixture of experts' penalties and counts). `positions` (each token's place in
+        its document) default to what `segment_ids` say, or 0..T-1 without them.
 
         Under a preset that splits the sequence with load balancing the model runs its
         positions in another order (`in_run_order`); the features come back in the tokens'
-        order, or, with `run_order` (tokens given in that order: the loss, a mean over
-        positions, needs no other), in that order.
+        order, or, with `run_order` (tokens, ids and positions given in that order: the loss, a
+        mean over positions, needs no other), in that order.
         """
         B, T = tokens.shape
         order = parallel.sequence_order(T)
+        if segment_ids is not None and positions is None:
+            if run_order and order is not None:
+                raise ValueError("give the positions of tokens in run order (see in_run_order)")
+            positions = document_positions(segment_ids)
         if order is not None and not run_order:
-            tokens = tokens[:, order]
+            tokens, segment_ids, positions = (None if a is None else a[:, order]
+                                              for a in (tokens, segment_ids, positions))
         keys = dropout_key
         if keys is not None and keys.ndim == 0:
             keys = row_keys(keys, B)
-        positions = _positions(order, B, T)
-        keys = None if keys is None else token_keys(keys, positions)  # [B, T]
+        places = _positions(order, B, T)  # each token's place in the window
+        positions = places if positions is None else positions
+        # Dropout keys go by the place in the window, which no two tokens of a row share.
+        keys = None if keys is None else token_keys(keys, places)  # [B, T]
         # The embedding's dropout keys come after the layers' 0..L-1.
         embed_keys = None if keys is None else fold_keys(keys, self.config.num_layers)
         x = constrain(self.embed(tokens, positions, embed_keys), ACTIVATION_AXES)  # [B, T, D]
-        x, _, report = self.blocks(x, positions, None, keys)
+        x, _, report = self.blocks(x, positions, None, keys, segment_ids)
         if order is not None and not run_order:
             x = constrain(x[:, np.argsort(order)], ACTIVATION_AXES)  # the tokens' order again
         return x, report
 
     @_with_own_kernels
     def loss(self, batch: dict[str, jax.Array], keys: jax.Array | None = None) -> jax.Array:
-        """The training loss of a batch {"inputs", "targets"} (int [B, T] each), with dropout
-        when per-row keys are given: the mean next-token cross-entropy, plus the router's
-        penalties of a mixture of experts. The one door to the loss kernel; under a pipeline
-        preset the model runs as the context's pipeline settings say."""
+        """The training loss of a batch {"inputs", "targets"} (int [B, T] each; optionally
+        "segment_ids", "positions" and "loss_mask", see `loss_batch`), with dropout when per-row
+        keys are given: the mean next-token cross-entropy over the trained targets, plus the
+        router's penalties of a mixture of experts. The one door to the loss kernel; under a
+        pipeline preset the model runs as the context's pipeline settings say."""
         return self.loss_and_metrics(batch, keys)[0]
 
     @_with_own_kernels
     def loss_and_metrics(self, batch: dict[str, jax.Array], keys: jax.Array | None = None
                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """`loss`, and what it is made of: {"cross_entropy": the mean over positions, and what
-        the blocks report: each loss term (float) as a mean over positions, each count (int)
-        for the whole batch}. The loss is the cross-entropy plus the terms."""
+        """`loss`, and what it is made of: {"cross_entropy": the mean over trained targets, and
+        what the blocks report: each loss term (float) as a mean over positions, each count
+        (int) for the whole batch}. The loss is the cross-entropy plus the terms."""
+        batch = loss_batch(batch)
         if sharding.active_ways("layers") > 1:
             return self.pipelined_loss(batch, keys)
         batch = in_run_order(batch)
-        x, report = self.features_and_report(batch["inputs"], dropout_key=keys,
-                                             run_order=True)  # [B, T, D]
-        cross_entropy = kernels.active().cross_entropy(self, x, batch["targets"])
+        x, report = self.features_and_report(
+            batch["inputs"], segment_ids=batch.get("segment_ids"),
+            positions=batch.get("positions"), dropout_key=keys, run_order=True)  # [B, T, D]
+        cross_entropy = kernels.active().cross_entropy(self, x, batch["targets"],
+                                                       batch.get("weights"))
         terms, metrics = _report_metrics(report, batch["targets"].size)
         return cross_entropy + terms, {"cross_entropy": cross_entropy, **metrics}
 
@@ -244,11 +268,12 @@ class DecoderLM(nnx.Module):
             self, nnx.All(in_blocks, wrt), in_blocks, wrt, ...)
         stand_in = loss.placeholders(nnx.merge_state(blocks, frozen_blocks))  # never read
         B, T = batch["inputs"].shape
-        positions = _positions(parallel.sequence_order(T), B, T)
+        places = _positions(parallel.sequence_order(T), B, T)
         batch = in_run_order(batch)
         inputs = {"tokens": batch["inputs"], "targets": batch["targets"],
-                  "keys": None if keys is None else token_keys(keys, positions),
-                  "positions": positions}
+                  "keys": None if keys is None else token_keys(keys, places),
+                  "positions": batch.get("positions", places),
+                  "segments": batch.get("segment_ids"), "weights": batch.get("weights")}
 
         def embed(rest, mb):
             model = nnx.merge(graphdef, stand_in(), _lookup_ready(rest))
@@ -257,13 +282,13 @@ class DecoderLM(nnx.Module):
 
         def stage(chunk, x, mb, first_layer):
             y, report = self.blocks.run_chunk(chunk["blocks"]["layers"], x, mb["positions"],
-                                              mb["keys"], first_layer)
+                                              mb["keys"], first_layer, mb["segments"])
             terms = [v for v in report.values() if jnp.issubdtype(v.dtype, jnp.floating)]
             return y, sum(terms, jnp.zeros((), jnp.float32)), report
 
-        def head(rest, y, targets):
+        def head(rest, y, targets, weights):
             model = nnx.merge(graphdef, stand_in(), rest)
-            return kernels.active().cross_entropy(model, y, targets) * targets.size
+            return kernels.active().cross_entropy(model, y, targets, weights) * targets.size
 
         loss_value, report = pipeline.loss(embed, stage, head, rest, blocks, inputs,
                                            frozen=(frozen_rest, frozen_blocks))
@@ -292,6 +317,27 @@ class DecoderLM(nnx.Module):
         """An empty cache for `batch` rows of at most `length` positions."""
         cfg = self.config
         return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype)
+
+
+def loss_batch(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A batch as the loss reads it. "positions" (each token's place in its document) come from
+    "segment_ids" where the batch gives ids but no positions. Which targets are trained: a
+    "loss_mask" [B, T] (1 trained, 0 not; with ids but no mask, every target but padding's,
+    id 0) becomes "weights", scaled so that they average 1 over the batch: the loss is then a
+    mean over positions, as without a mask, whatever microbatches or pipeline stages it is
+    split into, and equals the mean over the trained targets of the whole batch. A batch that
+    already has "weights" is returned as it is."""
+    if "weights" in batch or ("loss_mask" not in batch and "segment_ids" not in batch):
+        return batch
+    batch = dict(batch)
+    segments = batch.get("segment_ids")
+    if segments is not None and "positions" not in batch:
+        batch["positions"] = document_positions(segments)
+    mask = batch.pop("loss_mask", None)
+    mask = (segments != 0) if mask is None else mask
+    mask = mask.astype(jnp.float32)
+    batch["weights"] = mask * (mask.size / jnp.maximum(jnp.sum(mask), 1.0))
+    return batch
 
 
 def in_run_order(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

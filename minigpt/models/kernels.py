@@ -38,6 +38,7 @@ from flax import nnx
 from minigpt import sharding
 from minigpt.models.grouped import blocked_expert_ffn
 from minigpt.models.loss import cross_entropy, fused_cross_entropy
+from minigpt.models.masks import same_document
 
 
 def resolve(choice: str) -> str:
@@ -75,21 +76,22 @@ class ReferenceKernels:
         """y + bias, broadcasting bias [F] over y [..., F]."""
         return y + bias
 
-    def causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Causal self-attention: q [B, T, N, H], k and v [B, T, K, H], N a multiple of K.
-
-        `jax.nn.dot_product_attention` picks a fused kernel (cuDNN flash attention, ...) where
-        the backend has one.
-        """
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    def causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                         segments: jax.Array | None = None) -> jax.Array:
+        """Causal self-attention: q [B, T, N, H], k and v [B, T, K, H], N a multiple of K;
+        with document ids `segments` [B, T], each query sees its own document's keys only."""
+        mask = None if segments is None else same_document(segments, segments)[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
     def gated_activation(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
         """SwiGLU's hidden layer: silu(x @ w_gate) * (x @ w_up), x [B, T, D], w [D, F]."""
         return jax.nn.silu(_project(x, w_gate)) * _project(x, w_up)
 
-    def cross_entropy(self, model: nnx.Module, x: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy of `model.logits` on features x [B, T, D]."""
-        return cross_entropy(model.logits(x), targets)
+    def cross_entropy(self, model: nnx.Module, x: jax.Array, targets: jax.Array,
+                      weights: jax.Array | None = None) -> jax.Array:
+        """Mean next-token cross-entropy of `model.logits` on features x [B, T, D], each
+        position's term times its weight [B, T] where given."""
+        return cross_entropy(model.logits(x), targets, weights)
 
     def expert_ffn(self, x: jax.Array, group_sizes: jax.Array, w_gate: jax.Array,
                    w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -116,17 +118,17 @@ class CpuKernels(ReferenceKernels):
     def add_bias(self, y, bias):
         return _add_bias(y, bias)
 
-    def causal_attention(self, q, k, v):
+    def causal_attention(self, q, k, v, segments=None):
         T = q.shape[1]
         if T % ATTENTION_BLOCK or T == ATTENTION_BLOCK:
-            return super().causal_attention(q, k, v)
-        return _blocked_causal_attention(q, k, v)
+            return super().causal_attention(q, k, v, segments)
+        return _blocked_causal_attention(q, k, v, segments)
 
     def gated_activation(self, x, w_gate, w_up):
         return _gated_activation(x, w_gate, w_up)
 
-    def cross_entropy(self, model, x, targets):
-        return fused_cross_entropy(model, x, targets)
+    def cross_entropy(self, model, x, targets, weights=None):
+        return fused_cross_entropy(model, x, targets, weights)
 
     def expert_ffn(self, x, group_sizes, w_gate, w_up, w_down):
         return blocked_expert_ffn(x, group_sizes, w_gate, w_up, w_down)
@@ -209,20 +211,23 @@ ATTENTION_BLOCK = 64
 
 
 @jax.custom_vjp
-def _blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention one block of 64 queries at a time, each against the keys up to its end,
-    with the backward pass written out. Left to autodiff, the softmax's backward summed
-    dP * P over every key of every block, which profiles showed costing more than the
-    attention's matmuls at T = 256; the written-out form takes that sum as dO . O over the
-    head's features instead (as flash attention does), a sum H long instead of T."""
-    return _blocked_attention_fwd(q, k, v)[0]
+def _blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                              segments: jax.Array | None) -> jax.Array:
+    """Causal attention one block of 64 queries at a time, each against the keys up to its end
+    (and, with document ids `segments` [B, T], of its own document), with the backward pass
+    written out. Left to autodiff, the softmax's backward summed dP * P over every key of every
+    block, which profiles showed costing more than the attention's matmuls at T = 256; the
+    written-out form takes that sum as dO . O over the head's features instead (as flash
+    attention does), a sum H long instead of T. A masked key has probability 0, so the backward
+    needs no mask of its own."""
+    return _blocked_attention_fwd(q, k, v, segments)[0]
 
 
 def _query_blocks(T: int) -> list[tuple[int, int]]:
     return [(start, min(start + ATTENTION_BLOCK, T)) for start in range(0, T, ATTENTION_BLOCK)]
 
 
-def _blocked_attention_fwd(q, k, v):
+def _blocked_attention_fwd(q, k, v, segments):
     B, T, N, H = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4) * (H ** -0.5)  # [B, K, G, T, H]
@@ -231,6 +236,9 @@ def _blocked_attention_fwd(q, k, v):
     for start, end in _query_blocks(T):
         scores = jnp.einsum("bkgth,bksh->bkgts", q[:, :, :, start:end], k[:, :, :end])
         visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # [t, s]
+        if segments is not None:  # [B, 1, 1, t, s]: and in the query's document
+            visible = visible & same_document(segments[:, start:end],
+                                              segments[:, :end])[:, None, None]
         scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
         probs.append(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
         blocks.append(jnp.einsum("bkgts,bksh->bkgth", probs[-1], v[:, :, :end]))
@@ -253,7 +261,8 @@ def _blocked_attention_bwd(residuals, g):
         d_k = d_k.at[:, :, :end].add(jnp.einsum("bkgts,bkgth->bksh", d_s, q[:, :, :, start:end]))
         d_v = d_v.at[:, :, :end].add(jnp.einsum("bkgts,bkgth->bksh", p, g_block))
     d_q = (jnp.concatenate(d_q, axis=3) * (H ** -0.5)).transpose(0, 3, 1, 2, 4)
-    return d_q.reshape(B, T, K * G, H), d_k.transpose(0, 2, 1, 3), d_v.transpose(0, 2, 1, 3)
+    return (d_q.reshape(B, T, K * G, H), d_k.transpose(0, 2, 1, 3), d_v.transpose(0, 2, 1, 3),
+            None)
 
 
 _blocked_causal_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)

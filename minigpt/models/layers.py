@@ -252,7 +252,11 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x: jax.Array, positions: jax.Array,
-                 kv: tuple[jax.Array, jax.Array] | None = None):
+                 kv: tuple[jax.Array, jax.Array] | None = None,
+                 segments: jax.Array | None = None):
+        """Attend over x [B, T, D] at `positions` [B, T] (each token's place in its document);
+        with `segments` [B, T] (equal ids: one document) a query sees the keys of its own
+        document only; with a cache `kv`, the cached keys of its row up to its position."""
         q, k, v = self.query(x), self.key(x), self.value(x)  # [B, T, N, H], [B, T, K, H] x2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -264,7 +268,7 @@ class Attention(nnx.Module):
             # that needs the others' positions: a collective region of its own.
             split = sharding.active_ways("seq") > 1
             y = (parallel.causal_attention if split else kernels.active().causal_attention)(
-                q, k, v)  # [B, T, N, H]
+                q, k, v, segments)  # [B, T, N, H]
         else:
             # Each row writes at its own offset; a key is visible when its position is at most
             # the query's, which also hides stale entries beyond a row's current length.

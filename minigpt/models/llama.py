@@ -66,11 +66,11 @@ class TransformerBlock(nnx.Module):
             self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x, positions, kv, keys):
+    def __call__(self, x, positions, kv, keys, segments=None):
         """(x, kv), and for a mixture of experts (x, kv, the router's report: see
         `minigpt.models.moe`)."""
         keys = split_keys(keys, 2)  # per-row keys for the two dropouts
-        y, kv = self.attention(self.norm1(x), positions, kv)
+        y, kv = self.attention(self.norm1(x), positions, kv, segments)
         x = x + dropout(y, self.rate, keys[0])
         if not isinstance(self.mlp, MoE):
             return x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1]), kv

@@ -19,10 +19,13 @@ from flax import nnx
 from minigpt import sharding
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+def cross_entropy(logits: jax.Array, targets: jax.Array,
+                  weights: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy; logits [B, T, V] float32 (padding at -inf), targets [B, T] int:
-    log-sum-exp of a row minus its target's logit."""
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logits(logits, targets))
+    log-sum-exp of a row minus its target's logit, each position's term times its weight
+    [B, T] where given (`minigpt.models.decoder.loss_batch`)."""
+    nats = jax.nn.logsumexp(logits, axis=-1) - target_logits(logits, targets)
+    return jnp.mean(nats if weights is None else nats * weights)
 
 
 def target_logits(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -61,10 +64,13 @@ def _chunk_len(batch: int, seq: int, vocab: int) -> int:
     return max([c for c in range(1, seq + 1) if seq % c == 0 and batch * c <= most] or [1])
 
 
-def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of the model's output head applied to features x [B, T, D].
+def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array,
+                        weights: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of the model's output head applied to features x [B, T, D], each
+    position's term times its weight [B, T] where given.
 
-    Equal to cross_entropy(model.logits(x), targets), but never holds the [B, T, V] logits:
+    Equal to cross_entropy(model.logits(x), targets, weights), but never holds the [B, T, V]
+    logits:
     the head runs chunk by chunk along the sequence, and each chunk's gradient (softmax minus
     the one-hot target) is formed while its logits are at hand. That is three matmuls per
     chunk, as plain autodiff needs, and two passes over the logits instead of about six. Chunks
@@ -88,7 +94,9 @@ def fused_cross_entropy(model: nnx.Module, x: jax.Array, targets: jax.Array) -> 
     if T % shards[1] or B % shards[0]:
         shards = (shards[0], 1)
     c = _chunk_len(B * shards[1], T // shards[1], vocab)
-    return _fused_ce(chunk_logits, T // shards[1] // c, shards, hoist, state, x, targets)
+    weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+    return _fused_ce(chunk_logits, T // shards[1] // c, shards, hoist, state, x, targets,
+                     weights.astype(jnp.float32))
 
 
 # The loss's rows are split over the devices that split the batch and those that split the
@@ -117,22 +125,25 @@ def _unrows(xs: jax.Array, B: int, shards: tuple[int, int]) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused_ce(chunk_logits, chunks, shards, hoist, state, x, targets):
-    return _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets)[0]
+def _fused_ce(chunk_logits, chunks, shards, hoist, state, x, targets, weights):
+    return _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets, weights)[0]
 
 
-def _loss_and_d_logits(logits, targets):
-    """Summed cross-entropy of rows of logits [R, V] and its gradient, softmax minus one-hot."""
+def _loss_and_d_logits(logits, targets, weights):
+    """Weighted, summed cross-entropy of rows of logits [R, V] (weights [R]) and its gradient,
+    (softmax minus one-hot) times each row's weight."""
     top = jnp.max(logits, axis=-1, keepdims=True)  # [R, 1]
     # Exponentials once, kept: the compiler would otherwise compute them twice, for the
     # normaliser and for the softmax, and exp is the costliest elementwise op here.
     e = jax.lax.optimization_barrier(jnp.exp(logits - top))  # [R, V]
     total = jnp.sum(e, axis=-1, keepdims=True)  # [R, 1]
-    loss = jnp.sum(top + jnp.log(total) - target_logits(logits, targets)[:, None])
-    return loss, e / total - jax.nn.one_hot(targets, logits.shape[-1])
+    w = weights[:, None]  # [R, 1]: folded into the factors the rows are scaled by anyway
+    loss = jnp.sum(w * (top + jnp.log(total) - target_logits(logits, targets)[:, None]))
+    hit = jnp.arange(logits.shape[-1]) == targets[:, None]
+    return loss, e * (w / total) - jnp.where(hit, w, 0.0)
 
 
-def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
+def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets, weights):
     B, T, D = x.shape
     S = shards[0] * shards[1]
     # [n, S, R, D]: each chunk flattened to rows (so the head's matmuls are plain 2-D) and
@@ -141,29 +152,31 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
     # all-reduce per chunk.
     xs = sharding.constrain(_rows(x, shards, chunks), (None, ROWS, None, None))
     ts = sharding.constrain(_rows(targets, shards, chunks), (None, ROWS, None))
+    ws = sharding.constrain(_rows(weights, shards, chunks), (None, ROWS, None))
     losses = sharding.constrain(jnp.zeros((S,), jnp.float32), (ROWS,))
 
     if hoist:
         def one_chunk(losses, inputs):
-            loss_s, d_logits = jax.vmap(lambda xc, tc: _loss_and_d_logits(
-                chunk_logits(state, xc), tc))(*inputs)
+            loss_s, d_logits = jax.vmap(lambda xc, tc, wc: _loss_and_d_logits(
+                chunk_logits(state, xc), tc, wc))(*inputs)
             return losses + loss_s, d_logits
 
         carry = sharding.varying_as(losses, state, x)
-        loss, d_logits = jax.lax.scan(one_chunk, carry, (xs, ts))  # d_logits [n, S, R, V]
+        loss, d_logits = jax.lax.scan(one_chunk, carry, (xs, ts, ws))  # d_logits [n,S,R,V]
         def every_chunk(state, xs):
             return jax.vmap(jax.vmap(lambda xc: chunk_logits(state, xc)))(xs)
 
         d_state, d_xs = jax.vjp(every_chunk, state, xs)[1](d_logits)
         loss = jnp.sum(loss)
     else:
-        def shard_chunk(state, xc, tc):
+        def shard_chunk(state, xc, tc, wc):
             logits, pull_back = jax.vjp(chunk_logits, state, xc)  # [R, V]
-            loss, d_logits = _loss_and_d_logits(logits, tc)
+            loss, d_logits = _loss_and_d_logits(logits, tc, wc)
             return loss, *pull_back(d_logits)
 
         def one_chunk(carry, inputs):
-            loss_s, d_state_s, d_xc = jax.vmap(shard_chunk, in_axes=(None, 0, 0))(state, *inputs)
+            loss_s, d_state_s, d_xc = jax.vmap(shard_chunk, in_axes=(None, 0, 0, 0))(state,
+                                                                                    *inputs)
             return jax.tree.map(jnp.add, carry, (loss_s, d_state_s)), d_xc
 
         def per_shard_zeros(var):
@@ -175,7 +188,7 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
                              is_leaf=lambda v: isinstance(v, nnx.Variable))
         # Inside a pipeline stage (shard_map) the sums vary from stage to stage as their terms do.
         carry = sharding.varying_as((losses, zeros), state, x)
-        (loss, d_state), d_xs = jax.lax.scan(one_chunk, carry, (xs, ts))
+        (loss, d_state), d_xs = jax.lax.scan(one_chunk, carry, (xs, ts, ws))
         loss, d_state = jax.tree.map(lambda d: jnp.sum(d, axis=0), (loss, d_state))
     d_x = _unrows(d_xs, B, shards)
     count = B * T
@@ -185,7 +198,8 @@ def _fused_ce_fwd(chunk_logits, chunks, shards, hoist, state, x, targets):
 def _fused_ce_bwd(chunk_logits, chunks, shards, hoist, residuals, g):
     d_state, d_x, count = residuals
     scale = g / count
-    return (jax.tree.map(lambda d: d * scale, d_state), (d_x * scale).astype(d_x.dtype), None)
+    return (jax.tree.map(lambda d: d * scale, d_state), (d_x * scale).astype(d_x.dtype), None,
+            None)
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)

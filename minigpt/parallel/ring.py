@@ -103,9 +103,12 @@ def sequence_order(T: int) -> np.ndarray | None:
     return dual_chunk_order(T, ring.devices)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                     segments: jax.Array | None = None) -> jax.Array:
     """Causal self-attention, q [B, T, N, H], k and v [B, T, K, H], over a sequence the active
     rules split along T, in the order `sequence_order(T)` gives; as the context's strategy says.
+    With document ids `segments` [B, T] (in the same order) a query sees its own document's
+    keys only; a document may span devices: the ids travel with the keys.
     """
     ring = active_ring()
     if ring is None:
@@ -114,28 +117,29 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         raise ConfigError(f"unknown train.context_strategy {ring.strategy!r}: choose one of "
                           f"{', '.join(CONTEXT_STRATEGIES)}")
     check_length(q.shape[1], ring.devices, ring.balanced)
-    return _attention(ring, q, k, v)
+    return _attention(ring, q, k, v, segments)
 
 
 # The collective region and its VJP ---------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(ring: Ring, q, k, v):
-    return _attention_fwd(ring, q, k, v)[0]
+def _attention(ring: Ring, q, k, v, segments):
+    return _attention_fwd(ring, q, k, v, segments)[0]
 
 
-def _attention_fwd(ring: Ring, q, k, v):
+def _attention_fwd(ring: Ring, q, k, v, segments):
     seq = jax.P(None, ring.axis)
-    out, lse = jax.shard_map(functools.partial(_forward, ring), in_specs=(seq, seq, seq),
-                             out_specs=(seq, seq), axis_names={ring.axis})(q, k, v)
-    return out, (q, k, v, out, lse)
+    out, lse = jax.shard_map(functools.partial(_forward, ring), in_specs=(seq,) * 4,
+                             out_specs=(seq, seq), axis_names={ring.axis})(q, k, v, segments)
+    return out, (q, k, v, segments, out, lse)
 
 
 def _attention_bwd(ring: Ring, residuals, g):
     seq = jax.P(None, ring.axis)
-    return jax.shard_map(functools.partial(_backward, ring), in_specs=(seq,) * 6,
-                         out_specs=(seq, seq, seq), axis_names={ring.axis})(*residuals, g)
+    grads = jax.shard_map(functools.partial(_backward, ring), in_specs=(seq,) * 7,
+                          out_specs=(seq, seq, seq), axis_names={ring.axis})(*residuals, g)
+    return (*grads, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -190,16 +194,17 @@ def _ring_tour(ring: Ring, step, carry, moving):
 
 
 def _gathered_tour(ring: Ring, step, carry, block, d_block=None):
-    """The all-gather strategy's tour: every device's block gathered once, then `carry,
-    d_block = step(carry, (block_j, d_block_j), j)` for j = i-1, i-2, ... as `_ring_tour`. With
-    `d_block` (the backward pass), the gradients of the other devices' blocks accumulate in a
-    whole-sequence buffer, reduced and scattered back to their devices at the end, and added
-    to this device's own `d_block`."""
+    """The all-gather strategy's tour: every device's block (a tuple of arrays) gathered once,
+    then `carry, d_block = step(carry, (block_j, d_block_j), j)` for j = i-1, i-2, ... as
+    `_ring_tour`. With `d_block` (the backward pass: gradients of the block's first arrays),
+    the gradients of the other devices' blocks accumulate in a whole-sequence buffer, reduced
+    and scattered back to their devices at the end, and added to this device's own `d_block`."""
     i, n = jax.lax.axis_index(ring.axis), ring.devices
     whole = jax.lax.all_gather(block, ring.axis, axis=1, tiled=True)  # [B, T_all, ...]
     local = jax.tree.leaves(block)[0].shape[1]
+    # Gradients for the blocks' arrays that take them (keys and values; not document ids).
     d_whole = None if d_block is None else sharding.varying_as(
-        jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), whole), carry)
+        jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), whole[:len(d_block)]), carry)
 
     def body(state, s):
         carry, d_whole = state
@@ -223,20 +228,29 @@ def _gathered_tour(ring: Ring, step, carry, block, d_block=None):
         d_whole, d_block)
 
 
-def _forward(ring: Ring, q, k, v):
-    """One device's queries [B, T/N, N, H] against every device's keys: the outputs and the
-    log-sum-exp of each query's scores [B, T/N, N] (what the backward pass needs)."""
+def _segment_pieces(segments, count: int) -> list:
+    """A device's document ids [B, T] as its `count` chunks [B, C], or Nones without ids."""
+    return [None] * count if segments is None else _pieces(segments, count)
+
+
+def _forward(ring: Ring, q, k, v, segments):
+    """One device's queries [B, T/N, N, H] against every device's keys (their document ids
+    travelling with them): the outputs and the log-sum-exp of each query's scores [B, T/N, N]
+    (what the backward pass needs)."""
     B, T, N, H = q.shape
     K, P = k.shape[2], ring.pieces
     queries = _pieces(q * jnp.asarray(H ** -0.5, q.dtype), P, K)  # P x [B, C, K, G, H]
+    q_segments = _segment_pieces(segments, P)
     i = jax.lax.axis_index(ring.axis)
 
     def fold(acc, block, j):
         keys, values = _pieces(block[0], P), _pieces(block[1], P)
+        k_segments = _segment_pieces(block[2], P)
 
         def update(acc, a, b, diag):
             acc = list(acc)
-            acc[a] = _fold_chunk(queries[a], keys[b], values[b], acc[a], diag)
+            acc[a] = _fold_chunk(queries[a], keys[b], values[b], acc[a], diag,
+                                 q_segments[a], k_segments[b])
             return tuple(acc)
 
         return _visit(ring, update, acc, i, j)
@@ -244,20 +258,21 @@ def _forward(ring: Ring, q, k, v):
     shape = queries[0].shape[:-1]  # [B, C, K, G]
     empty = tuple((jnp.zeros((*shape, H), jnp.float32), jnp.full(shape, -jnp.inf),
                    jnp.zeros(shape, jnp.float32)) for _ in range(P))
-    acc = fold(sharding.varying_as(empty, q), (k, v), None)
+    acc = fold(sharding.varying_as(empty, q), (k, v, segments), None)
     if ring.strategy == "ring":
-        acc, _ = _ring_tour(ring, lambda acc, kv, j: (fold(acc, kv, j), kv), acc, (k, v))
+        acc, _ = _ring_tour(ring, lambda acc, kv, j: (fold(acc, kv, j), kv), acc,
+                            (k, v, segments))
     else:
         acc, _ = _gathered_tour(ring, lambda acc, kv, j: (fold(acc, kv[0], j), None), acc,
-                                (k, v))
+                                (k, v, segments))
     out = jnp.concatenate([o / total[..., None] for o, _, total in acc], axis=1)  # [B,T,K,G,H]
     lse = jnp.concatenate([m + jnp.log(total) for _, m, total in acc], axis=1)  # [B, T, K, G]
     return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, T, N)
 
 
-def _backward(ring: Ring, q, k, v, out, lse, g):
-    """The gradients of one device's share of q, k and v: the key/value blocks make the
-    forward's tour again, each with its gradient."""
+def _backward(ring: Ring, q, k, v, segments, out, lse, g):
+    """The gradients of one device's share of q, k and v: the key/value blocks (with their
+    document ids) make the forward's tour again, each with its gradient."""
     B, T, N, H = q.shape
     K, P = k.shape[2], ring.pieces
     scale = H ** -0.5
@@ -266,6 +281,7 @@ def _backward(ring: Ring, q, k, v, out, lse, g):
         return x.astype(jnp.float32)
 
     queries = _pieces(f32(q) * scale, P, K)
+    q_segments = _segment_pieces(segments, P)
     grads = _pieces(f32(g), P, K)
     lses = _pieces(lse.reshape(B, T, K, N // K), P)
     # rowsum(dP * P) = rowsum(dO * O), a sum H long instead of T (as flash attention)
@@ -274,12 +290,13 @@ def _backward(ring: Ring, q, k, v, out, lse, g):
 
     def visit(d_q, block, d_block, j):
         keys, values = _pieces(f32(block[0]), P), _pieces(f32(block[1]), P)
+        k_segments = _segment_pieces(block[2], P)
 
         def update(state, a, b, diag):
             d_q, d_keys, d_values = map(list, state)
             dq, d_keys[b], d_values[b] = _grad_chunk(
                 queries[a], keys[b], values[b], grads[a], lses[a], deltas[a], d_keys[b],
-                d_values[b], diag)
+                d_values[b], diag, q_segments[a], k_segments[b])
             d_q[a] = d_q[a] + dq
             return tuple(d_q), tuple(d_keys), tuple(d_values)
 
@@ -289,18 +306,19 @@ def _backward(ring: Ring, q, k, v, out, lse, g):
 
     zeros = sharding.varying_as((jnp.zeros(k.shape, jnp.float32),) * 2, q)
     d_q = sharding.varying_as(tuple(jnp.zeros_like(x) for x in queries), q)
-    d_q, d_own = visit(d_q, (k, v), zeros, None)
+    d_q, d_own = visit(d_q, (k, v, segments), zeros, None)
     if ring.strategy == "ring":
         def step(d_q, moving, j):
             block, d_block = moving
             d_q, d_block = visit(d_q, block, d_block, j)
             return d_q, (block, d_block)
 
-        d_q, (_, d_block) = _ring_tour(ring, step, d_q, ((k, v), d_own))
+        d_q, (_, d_block) = _ring_tour(ring, step, d_q, ((k, v, segments), d_own))
         d_k, d_v = _hop(ring, d_block)  # the last hop brings every block's gradient home
     else:
         d_q, (d_k, d_v) = _gathered_tour(
-            ring, lambda d_q, pair, j: visit(d_q, pair[0], pair[1], j), d_q, (k, v), d_own)
+            ring, lambda d_q, pair, j: visit(d_q, pair[0], pair[1], j), d_q,
+            (k, v, segments), d_own)
     d_q = jnp.concatenate(d_q, axis=1).reshape(B, T, N, H) * scale
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
@@ -313,14 +331,17 @@ def _tile(C: int) -> int:
     return max(t for t in range(1, min(C, TILE) + 1) if C % t == 0)
 
 
-def _scores(q, k, start, diag: bool):
+def _scores(q, k, start, diag: bool, q_segments=None, k_segments=None):
     """Scores [B, t, K, G, S] (float32) of queries q [B, t, K, G, H] at offsets start.. of their
     chunk against keys k [B, S, K, H]; on the diagonal (the same chunk), a query sees the keys
-    at its own offset and before."""
+    at its own offset and before; with document ids [B, t] and [B, S], only its document's."""
     s = jnp.einsum("btkgh,bskh->btkgs", q, k, preferred_element_type=jnp.float32)
     if diag:
         visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(q.shape[1])[:, None]
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    if q_segments is not None:
+        same = q_segments[:, :, None] == k_segments[:, None, :]  # [B, t, S]
+        s = jnp.where(same[:, :, None, None, :], s, -jnp.inf)
     return s
 
 
@@ -342,35 +363,42 @@ def _by_tiles(fn, xs, C: int, carry=None):
     return carry, jax.tree.map(join, out)
 
 
-def _fold_chunk(q, k, v, acc, diag: bool):
+def _fold_chunk(q, k, v, acc, diag: bool, q_segments=None, k_segments=None):
     """Fold keys and values k, v [B, S, K, H] into the online softmax of queries q
     [B, C, K, G, H]: acc holds the unnormalised output o [B, C, K, G, H], the running max m and
-    sum l [B, C, K, G] (float32); diag: q and k are the same chunk (causal mask)."""
+    sum l [B, C, K, G] (float32); diag: q and k are the same chunk (causal mask); document ids
+    q_segments [B, C] and k_segments [B, S] mask keys of other documents."""
     def one(inputs, start):
-        qt, (o, m, total) = inputs
-        s = _scores(qt, k, start, diag)
-        top = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: every query sees a key by now
-        p = jnp.exp(s - top[..., None])
-        rescale = jnp.exp(m - top)
+        qt, (o, m, total), qs = inputs
+        s = _scores(qt, k, start, diag, qs, k_segments)
+        top = jnp.maximum(m, jnp.max(s, axis=-1))
+        # Without documents `top` is finite: every query has seen a key by now (its own
+        # chunk's come first). With them a query may have seen none yet; it shifts by 0 then,
+        # and its output and sum stay 0 until a key of its document comes.
+        shift = top if qs is None else jnp.where(jnp.isfinite(top), top, 0.0)
+        p = jnp.exp(s - shift[..., None])
+        rescale = jnp.exp(m - shift)
         o = o * rescale[..., None] + jnp.einsum("btkgs,bskh->btkgh", p.astype(v.dtype), v,
                                                 preferred_element_type=jnp.float32)
         return o, top, total * rescale + jnp.sum(p, axis=-1)
 
-    return _by_tiles(one, (q, acc), q.shape[1])
+    return _by_tiles(one, (q, acc, q_segments), q.shape[1])
 
 
-def _grad_chunk(q, k, v, g, lse, delta, d_k, d_v, diag: bool):
+def _grad_chunk(q, k, v, g, lse, delta, d_k, d_v, diag: bool, q_segments=None,
+                k_segments=None):
     """One pair's share of the gradients (float32): d q [B, C, K, G, H] for the (scaled)
     queries, and d_k, d_v [B, S, K, H] with the pair's share added. g is the output's gradient,
     lse and delta [B, C, K, G] the forward's log-sum-exp and rowsum(g * output)."""
     def one(carry, inputs, start):
         d_k, d_v = carry
-        qt, gt, lt, dt = inputs
-        p = jnp.exp(_scores(qt, k, start, diag) - lt[..., None])  # [B, t, K, G, S]
+        qt, gt, lt, dt, qs = inputs
+        p = jnp.exp(_scores(qt, k, start, diag, qs, k_segments) - lt[..., None])  # [B,t,K,G,S]
         d_v = d_v + jnp.einsum("btkgs,btkgh->bskh", p, gt)
         d_s = p * (jnp.einsum("btkgh,bskh->btkgs", gt, v) - dt[..., None])
         d_k = d_k + jnp.einsum("btkgs,btkgh->bskh", d_s, qt)
         return (d_k, d_v), jnp.einsum("btkgs,bskh->btkgh", d_s, k)
 
-    (d_k, d_v), d_q = _by_tiles(one, (q, g, lse, delta), q.shape[1], carry=(d_k, d_v))
+    (d_k, d_v), d_q = _by_tiles(one, (q, g, lse, delta, q_segments), q.shape[1],
+                                carry=(d_k, d_v))
     return d_q, d_k, d_v

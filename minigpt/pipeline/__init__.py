@@ -212,8 +212,8 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, frozen, *, grads:
     def embed(rest, mb):
         return embed_fn(_joined(rest, frozen_rest), mb)
 
-    def head(rest, y, targets):
-        return head_fn(_joined(rest, frozen_rest), y, targets)
+    def head(rest, y, targets, weights):
+        return head_fn(_joined(rest, frozen_rest), y, targets, weights)
 
     def stage_fn(p, r, x, mb):
         """Chunk r of the stack: its trainable parameters p, and its frozen ones."""
@@ -259,11 +259,13 @@ def _run(plan: Schedule, fns, axis: str, rest, blocks, inputs, frozen, *, grads:
         def head_part():
             ys = jax.lax.psum_scatter(jnp.where(s == S - 1, y, 0), axis, scatter_dimension=1,
                                       tiled=True)  # [b, T/S, D]: this stage's positions
-            targets = jax.lax.dynamic_slice_in_dim(micro(hm)["targets"], s * (T // S), T // S,
-                                                   axis=1)
+            targets, weights = (
+                None if a is None else jax.lax.dynamic_slice_in_dim(a, s * (T // S), T // S,
+                                                                    axis=1)
+                for a in (micro(hm)["targets"], micro(hm).get("weights")))
             if not grads:
-                return head(rest, ys, targets), f32(zeros_like(rest)), zeros()
-            value, pull = jax.vjp(lambda r_, y_: head(r_, y_, targets), rest, ys)
+                return head(rest, ys, targets, weights), f32(zeros_like(rest)), zeros()
+            value, pull = jax.vjp(lambda r_, y_: head(r_, y_, targets, weights), rest, ys)
             d_r, d_ys = pull(settled(jnp.ones((), value.dtype)))
             d_y = jax.lax.all_gather(d_ys, axis, axis=1, tiled=True)
             return value, f32(d_r), d_y.astype(act.dtype)
@@ -331,10 +333,12 @@ def loss(embed: Callable, stage: Callable, head: Callable, rest, blocks, inputs,
     x, mb, first_layer) -> (x, penalty, statistics)` for a chunk of the stacked parameters
     whose first layer is `first_layer` (a penalty: a float32 scalar the loss adds, summed over
     positions as the head's; statistics: a tree of arrays, summed, no gradient), and
-    `head(rest, y, targets) -> the loss summed over those positions` for outputs y [b, t, D] of
-    some positions and their targets [b, t]. `frozen` (frozen rest, frozen blocks), laid out as
-    `rest` and `blocks` are, holds parameters the pieces read but that take no gradient (a
-    model's frozen base beside its adapters): the functions see them joined with the others.
+    `head(rest, y, targets, weights) -> the loss summed over those positions` for outputs
+    y [b, t, D] of some positions, their targets [b, t] and the targets' weights in the loss
+    [b, t] (`inputs["weights"]` cut alike; None where `inputs` has none). `frozen` (frozen
+    rest, frozen blocks), laid out as `rest` and `blocks` are, holds parameters the pieces
+    read but that take no gradient (a model's frozen base beside its adapters): the functions
+    see them joined with the others.
 
     Differentiable: the forward computes every gradient with the loss (the schedule's
     backwards), the VJP scales them.

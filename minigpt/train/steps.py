@@ -11,6 +11,8 @@ the optimizer is `minigpt.train.optimizer`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from flax import nnx
 
 from minigpt import pipeline, sharding
 from minigpt.models import DecoderLM, lora
+from minigpt.models.decoder import loss_batch
 from minigpt.models.layers import row_keys
 from minigpt.train.lr_schedule import LRSchedule
 
@@ -38,6 +41,7 @@ def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int, wrt=nnx.Pa
     """The model's metrics (`DecoderLM.loss_and_metrics`) and the gradients of its loss with
     respect to the parameters `wrt` picks (the optimizer's: a model's adapters, if it has any;
     its frozen weights get none)."""
+    batch = loss_batch(batch)  # weights scaled over the whole batch, before it is cut
     if microbatches == 1:
         (_, metrics), grads = nnx.value_and_grad(
             _loss_and_metrics, argnums=nnx.DiffState(0, wrt), has_aux=True)(model, batch, keys)
@@ -103,6 +107,38 @@ def eval_step(model: DecoderLM, batch: dict[str, jax.Array]) -> jax.Array:
     """Mean next-token cross-entropy on a batch, without dropout (the router's penalties of a
     mixture of experts left out: they are for training)."""
     return model.loss_and_metrics(batch)[1]["cross_entropy"]
+
+
+@sharding.jit
+def text_nats_and_bytes(model: DecoderLM, batch: dict[str, jax.Array]
+                        ) -> tuple[jax.Array, jax.Array]:
+    """The summed cross-entropy (nats) of a batch's text targets, those "text_mask" [B, T]
+    marks (trained, and not an end or begin token, which stand for no bytes), without dropout;
+    and the UTF-8 bytes that text holds, summed from "text_bytes" [B, T]."""
+    text = batch["text_mask"]
+    rest = {k: v for k, v in batch.items()
+            if k not in ("loss_mask", "weights", "text_mask", "text_bytes")}
+    mean = model.loss_and_metrics({**rest, "loss_mask": text})[1]["cross_entropy"]
+    return mean * jnp.maximum(jnp.sum(text), 1), jnp.sum(batch["text_bytes"])
+
+
+def evaluate(model: DecoderLM, batches) -> dict[str, float]:
+    """Held-out metrics over an iterable of placed batches, read back once at the end:
+    "eval_loss", the mean of `eval_step` (nats per token), and where the batches say which
+    targets are text and what bytes they hold ("text_mask", "text_bytes"),
+    "eval_bits_per_byte": the text's nats over ln 2 over its bytes, the tokenizer-independent
+    score bench/bench_stories.py gives held-out stories."""
+    losses, texts = [], []
+    for batch in batches:
+        losses.append(eval_step(model, {k: v for k, v in batch.items()
+                                        if k not in ("text_mask", "text_bytes")}))
+        if "text_mask" in batch:
+            texts.append(text_nats_and_bytes(model, batch))
+    result = {"eval_loss": float(np.mean(jax.device_get(losses)))}
+    if texts:
+        nats, count = np.sum(jax.device_get(texts), axis=0)
+        result["eval_bits_per_byte"] = float(nats) / math.log(2) / max(float(count), 1.0)
+    return result
 
 
 def mean_loss(model: DecoderLM, batches) -> float:

@@ -1,0 +1,56 @@
+"""What a run reads: its training batches and its held-out evaluation.
+
+Each process reads its own rows of every global batch (`sharding.batch_share`). With
+`train.document_mask` the batches say where each window's documents start
+(`minigpt.data.documents`), from the tokenizer's begin and end tokens. Evaluation reads the first
+`eval_batches` batches of the validation split in a fixed order and reports nats per token
+(`eval_loss`) and bits per byte of the text (`eval_bits_per_byte`), which does not depend on the
+tokenizer: the figure bench/bench_stories.py gives held-out stories and the README quotes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import minigpt.train.steps as steps
+from minigpt import sharding
+from minigpt.config import TrainConfig
+from minigpt.data.documents import text_targets
+from minigpt.data.loader import batch_iterator
+
+
+def documents(tokenizer, cfg: TrainConfig) -> tuple[int, int | None] | None:
+    """The begin and end tokens that mark documents apart in a run's data (its tokenizer's
+    begin token, or without one the end token, starts each document), or None where the run
+    trains on windows as they come (`train.document_mask` false)."""
+    if not cfg.document_mask:
+        return None
+    begin = tokenizer.bos_token if tokenizer.bos_token is not None else tokenizer.eot_token
+    return begin, tokenizer.eot_token
+
+
+def split_batches(data_dir: Path, split: str, cfg: TrainConfig, seq_len: int, preset, mesh, *,
+                  documents: tuple[int, int | None] | None, shuffle: bool = True):
+    """A split's batches, this process reading only its share of each: training batches in
+    the run's shuffled order, validation ones (`shuffle=False`) in a fixed order."""
+    share, shares = sharding.batch_share(preset, mesh, cfg.batch_size)
+    return batch_iterator(data_dir, split, seq_len=seq_len, batch_size=cfg.batch_size,
+                          seed=cfg.seed if shuffle else 0, shuffle=shuffle,
+                          process_index=share, process_count=shares, documents=documents)
+
+
+def evaluate(model, tokenizer, data_dir: Path, cfg: TrainConfig, seq_len: int, preset, mesh,
+             put, *, documents: tuple[int, int | None] | None) -> dict[str, Any]:
+    """{"eval_loss", "eval_bits_per_byte"} over the first `eval_batches` batches of the
+    validation split (fixed order)."""
+    batches = split_batches(data_dir, "val", cfg, seq_len, preset, mesh, documents=documents,
+                            shuffle=False)
+    special = tuple(t for t in (tokenizer.bos_token, tokenizer.eot_token) if t is not None)
+
+    def placed():
+        for _ in range(cfg.eval_batches):
+            host = next(batches)
+            yield put({**host, **text_targets(host, tokenizer.decode, special)})
+
+    return steps.evaluate(model, placed())

@@ -55,8 +55,8 @@ def _check_fields(config: Any, scope: str) -> None:
         check_value(f"{scope}.{f.name}", hints[f.name], getattr(config, f.name))
 
 
-DTYPES = ("float32", "bfloat16")
-KERNELS = ("auto", "reference", "cpu")  # see minigpt.models.kernels
+DTYPES = ("auto", "float32", "bfloat16")  # auto: see minigpt.models.kernels.compute_dtype
+KERNELS = ("auto", "reference", "cpu", "cudnn", "splash")  # see minigpt.models.kernels
 ROPE_SCALINGS = ("", "llama3", "linear")  # see minigpt.models.layers.rope_frequencies
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
 CONTEXT_STRATEGIES = ("ring", "all_gather")  # see minigpt.parallel.ring
@@ -81,14 +81,14 @@ class ModelConfig:
     # Embedding and output tables are padded to a multiple of this so they shard evenly over
     # any power-of-two mesh axis; padded entries are masked out of every softmax.
     vocab_multiple: int = 128
-    dtype: str = "float32"  # compute dtype; parameters and optimizer state stay float32
+    dtype: str = "auto"  # compute (auto: bf16 on accelerators); parameters stay float32
     remat: bool = False
     # How the stacked layers run: lax.scan (one block in the compiled program, fast to compile
     # and, measured on CPU, also faster per step) or an unrolled loop. Parameters and
     # checkpoints are the same either way.
     scan_layers: bool = True
     # Which implementation of the backend-tuned operations to run (minigpt.models.kernels): "auto"
-    # picks the CPU-tuned ones on a CPU and the plain ones elsewhere. Both compute the same.
+    # picks the CPU-tuned ones on a CPU, fused attention elsewhere. All compute the same.
     kernels: str = "auto"
     # The tokenizer the model reads and writes (minigpt.tokenizer): "gpt2", a vocabulary shipped
     # in minigpt/vocabularies (e.g. "tinystories-4k") or a .tiktoken file. Runs from before this

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+import minigpt.models.kernels as kernels
 from minigpt import parallel, pipeline, sharding
 from minigpt.config import LORA_TARGETS, ConfigError, TrainConfig
 from minigpt.models import get_config
@@ -193,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     mesh_text = " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
     print(f"model {args.model} under preset {preset.name!r}: {preset.description}")
-    print(f"mesh: {mesh_text} ({mesh.size} {jax.devices()[0].platform} devices)\n")
+    print(f"mesh: {mesh_text} ({mesh.size} {jax.devices()[0].platform} devices)")
+    print(f"{kernels.describe(cfg.kernels, cfg.dtype)}\n")
     print("\n".join(parameter_table(params)))
     print(f"\nparameters:      {mib(params, 'bytes_per_device')} per device "
           f"(of {mib(params, 'bytes')} in all)")

@@ -2,7 +2,10 @@
 
 Every test runs on 8 simulated CPU devices, whatever accelerator the machine has, so the same
 presets apply everywhere. The flags must be in the environment before JAX is first imported,
-which is why this happens at import time of the conftest, not in a fixture.
+which is why this happens at import time of the conftest, not in a fixture. MINIGPT_TEST_DEVICES=
+native leaves the devices as they are (the accelerator check runs the tests that need no
+simulated devices on a GPU so). Measured peaks (minigpt.train.flops) are kept in a temporary
+folder, never in the user's cache.
 
 Offline assets (TinyStories text, the GPT-2 tokenizer files) are found through MINIGPT_ASSETS,
 which defaults to ../shared/assets beside the repository. Where they are absent, tests that
@@ -17,10 +20,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+if os.environ.get("MINIGPT_TEST_DEVICES") != "native":
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    _flag = "--xla_force_host_platform_device_count=8"
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ["MINIGPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="minigpt-test-cache-")
 
 # A persistent compilation cache for the session, shared with the processes tests start (CLI
 # runs, multi-process jobs, notebooks), is opt-in: MINIGPT_TEST_JAX_CACHE=1. It lives in a fresh

@@ -26,18 +26,52 @@ def test_flops_per_token_counts_grouped_kv_heads_and_the_swiglu_gate():
         6 * (8 * per_layer + 128 * 50257) + 12 * 8 * 128 * 256) == 51_180_288
 
 
-def test_peak_comes_from_the_table_for_known_chips_and_is_measured_otherwise(monkeypatch):
+def test_peak_comes_from_the_table_for_known_chips_and_is_measured_once_per_machine(
+        monkeypatch, tmp_path):
     class Device:
         device_kind = "NVIDIA H100 80GB HBM3"
 
     monkeypatch.setattr(flops.jax, "devices", lambda: [Device()])
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
     flops.device_peak.cache_clear()
-    assert flops.device_peak("bfloat16") == (989e12, "NVIDIA H100 80GB HBM3 data sheet")
+    peak = flops.device_peak("bfloat16")
+    assert (peak.flops, peak.source, peak.key) == (989e12, "NVIDIA H100 80GB HBM3 data sheet",
+                                                   None)
     Device.device_kind = "cpu"
-    monkeypatch.setattr(flops, "measure_matmul_peak", lambda dtype: 1.5e11)
+    measured = []
+    monkeypatch.setattr(flops, "measure_matmul_peak",
+                        lambda dtype: measured.append(dtype) or 1.5e11)
+    sources = []
+    for _ in range(2):  # a second process (the cache cleared) reads the kept figure
+        flops.device_peak.cache_clear()
+        peak = flops.device_peak("float32")
+        sources.append(peak.source)
+        assert peak.flops == 1.5e11 and f"| cpu x{flops.jax.device_count()} | float32" in peak.key
+    assert measured == ["float32"]
+    assert sources == [f"cpu: float32 matmul measured {when}, kept in {tmp_path / 'peaks.json'}"
+                       for when in ("now", "on this machine")]
+    assert json.loads((tmp_path / "peaks.json").read_text()) == {peak.key: 1.5e11}
     flops.device_peak.cache_clear()
-    assert flops.device_peak("float32") == (1.5e11, "cpu: measured float32 matmul (an estimate)")
-    flops.device_peak.cache_clear()
+
+
+def test_an_mfu_above_one_is_impossible(monkeypatch, tmp_path):
+    """A step faster than the peak proves the peak low: MFU is at most 1, the peak rises to the
+    rate seen (said once) and the raised figure is kept for later runs."""
+    monkeypatch.setenv("MINIGPT_CACHE_DIR", str(tmp_path))
+    ticks = iter([0.0, 1.0, 1.5, 2.5])  # steps of 1.0, 0.5 and 1.0 s
+    peak = flops.Peak(100.0, "a measured matmul", key="this machine | float32")
+    recorder = metrics.Recorder(tmp_path / "metrics.jsonl", tmp_path / "tb", enabled=True,
+                                step=0, total=4, tokens_per_step=10, flops_per_token=6.0,
+                                peak=peak, devices=1, log_every=1)
+    recorder.timer.clock = lambda: next(ticks)
+    with pytest.warns(UserWarning, match="reached 0.0 GFLOP/s per device, above the peak") as said:
+        for step in range(1, 5):
+            recorder.record(step, {"loss": 1.0, "grad_norm": 1.0})
+    recorder.close()
+    mfus = [r["mfu"] for r in metrics.read_metrics(tmp_path / "metrics.jsonl") if "mfu" in r]
+    assert mfus == [pytest.approx(0.6), 1.0, pytest.approx(0.5)]  # 60, 120 (over 100), 60 FLOP/s
+    assert len(said) == 1 and peak.flops == 120.0
+    assert json.loads((tmp_path / "peaks.json").read_text()) == {"this machine | float32": 120.0}
 
 
 def test_the_measured_peak_is_the_fastest_of_the_timed_matmuls(monkeypatch):

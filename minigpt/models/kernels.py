@@ -19,38 +19,75 @@ is tuned for XLA's CPU backend, where profiles of the step showed costs plain co
   work); rows laid out in blocks of one expert each, run by a loop of small products
   (`minigpt.models.grouped`), cost about what the routed rows need.
 
-`ModelConfig.kernels` chooses: "reference", "cpu", or "auto" (the default: "cpu" on the CPU
-backend, "reference" elsewhere). A model puts its choice in the context its code runs in
+On accelerators attention is the one operation worth a kernel of its own: `FusedKernels` are
+the plain forms with attention (training's and the cached decode's) through the flash kernels
+JAX ships (`minigpt.models.attention`): cuDNN's on NVIDIA GPUs ("cudnn"), the Splash Pallas
+kernel on TPUs ("splash"). Where a kernel refuses a call (a float32 run on cuDNN, a sequence
+that does not cut into Splash's blocks, a backend without the kernel) XLA's attention runs
+instead and the reason is said once, as a warning (`FALLBACKS` keeps them).
+
+`ModelConfig.kernels` chooses: "reference", "cpu", "cudnn", "splash", or "auto" (the default:
+"cpu" on the CPU backend, "cudnn" on GPUs, "splash" on TPUs, "reference" elsewhere); and
+`ModelConfig.dtype` "auto" (the default) computes in float32 on a CPU and in bfloat16 on an
+accelerator (`compute_dtype`). A model puts its kernel choice in the context its code runs in
 (`minigpt.sharding.running`) and its layers ask `active()`. This module is the only place in
-minigpt that asks which backend is running. Both forms compute the same function; the tests
-compare losses and every gradient of the two on each architecture, so the accelerator path is
-checked on a CPU too.
+minigpt that asks which backend is running. Every set computes the same function; the tests
+compare losses and every gradient of them on each architecture, so the accelerator paths are
+checked on a CPU too (the fused ones through their fallback, Splash in Pallas' interpreter).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import minigpt.models.attention as attention
 from minigpt import sharding
 from minigpt.models.grouped import blocked_expert_ffn
 from minigpt.models.loss import cross_entropy, fused_cross_entropy
 from minigpt.models.masks import same_document
 
+# The kernel set "auto" means on each backend (`jax.default_backend()`); others: "reference".
+AUTO_KERNELS = {"cpu": "cpu", "gpu": "cudnn", "tpu": "splash"}
+# Which backend each fused kernel runs on.
+FUSED_BACKENDS = {"cudnn": "gpu", "splash": "tpu"}
+# Run Splash in Pallas' interpreter where no TPU is at hand (the tests set it, on a CPU).
+SPLASH_INTERPRET = False
+# Each fallback said so far, "<kernel>: <reason>": said once, kept for reports.
+FALLBACKS: list[str] = []
+
 
 def resolve(choice: str) -> str:
-    """The kernels "auto" means here: "cpu" on the CPU backend, "reference" elsewhere."""
+    """The kernels "auto" means here (`AUTO_KERNELS`), or the choice itself."""
     if choice == "auto":
-        return "cpu" if jax.default_backend() == "cpu" else "reference"
+        return AUTO_KERNELS.get(jax.default_backend(), "reference")
     return choice
 
 
 def get(choice: str) -> ReferenceKernels:
-    """The kernel set for a `ModelConfig.kernels` value ("auto", "reference" or "cpu")."""
+    """The kernel set for a `ModelConfig.kernels` value (minigpt.config.KERNELS)."""
     return _KERNELS[resolve(choice)]
+
+
+def compute_dtype(choice: str) -> str:
+    """The dtype a `ModelConfig.dtype` value computes in: "auto" is float32 on a CPU (where
+    bfloat16 matmuls are no faster) and bfloat16 on an accelerator, whose matrix units run it
+    at twice float32's rate or more; parameters and optimizer state stay float32 either way."""
+    if choice == "auto":
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return choice
+
+
+def describe(kernels: str, dtype: str) -> str:
+    """What a model with these `kernels` and `dtype` settings runs here, for the run's log:
+    "kernels cudnn (auto: ...), computing in bfloat16 (auto)"."""
+    name = resolve(kernels)
+    return (f"kernels {name} ({'auto: ' if kernels == 'auto' else ''}{_KERNELS[name].about}), "
+            f"computing in {compute_dtype(dtype)}{' (auto)' if dtype == 'auto' else ''}")
 
 
 def active() -> ReferenceKernels:
@@ -59,9 +96,10 @@ def active() -> ReferenceKernels:
 
 
 class ReferenceKernels:
-    """Plain JAX: what a reader expects, and what accelerators run."""
+    """Plain JAX: what a reader expects, and what accelerators run but for attention."""
 
     name = "reference"
+    about = "plain JAX, XLA's attention"
 
     def normalize(self, x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float,
                   center: bool) -> jax.Array:
@@ -82,6 +120,12 @@ class ReferenceKernels:
         with document ids `segments` [B, T], each query sees its own document's keys only."""
         mask = None if segments is None else same_document(segments, segments)[:, None]
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+
+    def cached_attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                         mask: jax.Array) -> jax.Array:
+        """Attention of q [B, T, N, H] to a key/value cache [B, S, K, H] where the boolean
+        mask [B, 1, T, S] allows (the cached decode's: each row's keys up to its position)."""
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
 
     def gated_activation(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
         """SwiGLU's hidden layer: silu(x @ w_gate) * (x @ w_up), x [B, T, D], w [D, F]."""
@@ -107,10 +151,53 @@ def _project(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("btd,df->btf", x, w)
 
 
+class FusedKernels(ReferenceKernels):
+    """The plain forms, with attention through the fused kernel `kernel` ("cudnn" or "splash",
+    `minigpt.models.attention`) where it takes the call, and XLA's where it refuses, the reason
+    said once. Splash leaves the cached decode to XLA: its per-row masks (each row's own
+    length) have no block structure for the kernel to skip, and a decode step is one query."""
+
+    def __init__(self, kernel: str, about: str):
+        self.name = self.kernel = kernel
+        self.about = about
+
+    def causal_attention(self, q, k, v, segments=None):
+        try:
+            self._check_backend()
+            if self.kernel == "splash":
+                return attention.splash(q, k, v, segments=segments, interpret=SPLASH_INTERPRET)
+            return attention.cudnn(q, k, v, segments=segments)
+        except attention.Refused as refusal:
+            self._fall_back(str(refusal))
+            return super().causal_attention(q, k, v, segments)
+
+    def cached_attention(self, q, k, v, mask):
+        if self.kernel == "cudnn":
+            try:
+                self._check_backend()
+                return attention.cudnn(q, k, v, mask=mask, causal=False)
+            except attention.Refused as refusal:
+                self._fall_back(str(refusal))
+        return super().cached_attention(q, k, v, mask)
+
+    def _check_backend(self) -> None:
+        backend, needed = jax.default_backend(), FUSED_BACKENDS[self.kernel]
+        if backend != needed and not (self.kernel == "splash" and SPLASH_INTERPRET):
+            raise attention.Refused(f"it runs on the {needed} backend, and this one is {backend}")
+
+    def _fall_back(self, reason: str) -> None:
+        said = f"{self.kernel}: {reason}"
+        if said not in FALLBACKS:
+            FALLBACKS.append(said)
+            warnings.warn(f"{self.kernel} attention refused this call ({reason}); XLA's "
+                          f"attention runs instead", stacklevel=3)
+
+
 class CpuKernels(ReferenceKernels):
     """The same functions, shaped for XLA's CPU backend (see the module docstring)."""
 
     name = "cpu"
+    about = "CPU-tuned: blocked attention, fused loss, written-out backward passes"
 
     def normalize(self, x, scale, bias, eps, center):
         return _normalize(x, scale, bias, eps, center)
@@ -302,4 +389,8 @@ def _gated_activation_bwd(residuals, g):
 _gated_activation.defvjp(_gated_activation_fwd, _gated_activation_bwd)
 
 
-_KERNELS: dict[str, ReferenceKernels] = {"reference": ReferenceKernels(), "cpu": CpuKernels()}
+_KERNELS: dict[str, ReferenceKernels] = {
+    "reference": ReferenceKernels(), "cpu": CpuKernels(),
+    "cudnn": FusedKernels("cudnn", "cuDNN flash attention, XLA's where cuDNN refuses a call"),
+    "splash": FusedKernels("splash", "Splash flash attention (Pallas), XLA's where it does "
+                                     "not fit")}

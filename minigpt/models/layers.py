@@ -108,7 +108,7 @@ class Dense(nnx.Module):
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
                  init: Initializer, use_bias: bool, dtype: str, rngs: nnx.Rngs):
-        self.spec, self.dtype = spec, jnp.dtype(dtype)
+        self.spec, self.dtype = spec, jnp.dtype(kernels.compute_dtype(dtype))
         x_letters, k_letters = spec.split("->")[0].split(",")
         ins = [i for i, letter in enumerate(k_letters) if letter in x_letters]
         outs = [i for i, letter in enumerate(k_letters) if letter not in x_letters]
@@ -143,7 +143,7 @@ class Embedding(nnx.Module):
 
     def __init__(self, num: int, dim: int, axes: tuple[str | None, str], *,
                  init: Initializer, dtype: str, rngs: nnx.Rngs):
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = jnp.dtype(kernels.compute_dtype(dtype))
         self.table = param(rngs, init, (num, dim), axes)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
@@ -161,7 +161,8 @@ class LayerNorm(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, center: bool = True,
                  features: tuple[str, int] | None = None, rngs: nnx.Rngs):
-        self.eps, self.dtype, self.center = cfg.norm_eps, jnp.dtype(cfg.dtype), center
+        self.eps, self.center = cfg.norm_eps, center
+        self.dtype = jnp.dtype(kernels.compute_dtype(cfg.dtype))
         axis, size = features or ("embed", cfg.embed_dim)
         self.scale = param(rngs, nnx.initializers.ones, (size,), (axis,))
         self.bias = param(rngs, nnx.initializers.zeros, (size,), (axis,)) if center else None
@@ -276,8 +277,8 @@ class Attention(nnx.Module):
             v_cache = write_cache(kv[1], v.astype(kv[1].dtype), positions[:, 0])
             key_pos = jnp.arange(k_cache.shape[1])
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
-            y = jax.nn.dot_product_attention(q, k_cache.astype(q.dtype),
-                                             v_cache.astype(q.dtype), mask=mask)
+            y = kernels.active().cached_attention(q, k_cache.astype(q.dtype),
+                                                  v_cache.astype(q.dtype), mask)
             kv = (k_cache, v_cache)
         return self.out(y), kv
 

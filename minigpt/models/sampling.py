@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+import minigpt.models.kernels as kernels
 from minigpt.models.decoder import DecoderLM
 
 
@@ -57,7 +58,7 @@ def decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Arr
     fold_in(rng, start + i), so where a story's windows begin changes no draw."""
     eot_id = stop_ids[0] if stop_ids else -1
     B, P = tokens.shape
-    cache = model.init_cache(B, cache_len, dtype=jnp.dtype(model.config.dtype))
+    cache = model.init_cache(B, cache_len, dtype=kernels.compute_dtype(model.config.dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     logits, cache = model.decode(tokens, positions, cache)  # [B, P, V]
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]

@@ -27,6 +27,10 @@ every device the same.
 Within a pair of chunks the queries go TILE at a time, so no score array exceeds [TILE, T/N] per
 head and the temporaries grow linearly in T/N. Dimension letters as in `minigpt.models.layers`;
 C is the positions of one chunk, G the query heads sharing a key/value head (N = K G).
+
+Accelerators run this blockwise arithmetic too, not the fused kernels (`models.attention`): a ring
+needs each block's log-sum-exp forward and a backward taking the global one, which neither cuDNN's
+kernel (via `jax.nn.dot_product_attention`) nor Splash's public one offers.
 """
 
 from __future__ import annotations

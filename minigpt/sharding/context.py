@@ -62,7 +62,7 @@ class Context:
 
     rules: Rules = ()
     pipeline: Pipeline = Pipeline()
-    kernels: str = "auto"  # minigpt.models.kernels: "auto", "reference" or "cpu"
+    kernels: str = "auto"  # minigpt.models.kernels: "auto" or a set (minigpt.config.KERNELS)
     context_parallel: ContextParallel = ContextParallel()
 
 

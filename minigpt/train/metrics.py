@@ -204,12 +204,12 @@ class Recorder:
     """Turns each step's metrics into a metrics.jsonl record, TensorBoard scalars and the
     progress bar. Processes other than 0 (`enabled=False`) time their steps and write nothing.
 
-    `tokens_per_step`, `flops_per_token`, `peak` (FLOP/s of one device) and `devices` turn a
-    step's wall time into tokens/s and MFU.
+    `tokens_per_step`, `flops_per_token`, `peak` (one device's, a `minigpt.train.flops.Peak`,
+    which keeps every MFU at most 1) and `devices` turn a step's wall time into tokens/s and MFU.
     """
 
     def __init__(self, path: Path, tensorboard: Path, *, enabled: bool, step: int,
-                 total: int | None, tokens_per_step: int, flops_per_token: float, peak: float,
+                 total: int | None, tokens_per_step: int, flops_per_token: float, peak,
                  devices: int, log_every: int):
         self.tokens_per_step, self.flops, self.peak = tokens_per_step, flops_per_token, peak
         self.devices, self.log_every = devices, log_every
@@ -234,7 +234,7 @@ class Recorder:
         entry = {"step": step, **values}
         if elapsed is not None:
             entry["tokens_per_s"] = self.tokens_per_step / elapsed
-            entry["mfu"] = self.flops * entry["tokens_per_s"] / (self.peak * self.devices)
+            entry["mfu"] = self.peak.mfu(self.flops * entry["tokens_per_s"] / self.devices)
         self.write(entry)
         if self.progress is not None:
             self.progress.update(1)

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+import minigpt.models.kernels as kernels
 import minigpt.train.adapters as adapters
 import minigpt.train.flops as flops
 import minigpt.train.lr_schedule as lr_schedule
@@ -265,9 +266,10 @@ def run_loop(run: Run) -> bool:
 def _recorder(run: Run) -> metrics.Recorder:
     cfg = run.train_cfg
     tokens_per_step = cfg.batch_size * run.seq_len
-    peak, peak_source = flops.device_peak(run.model_cfg.dtype)
+    peak = flops.device_peak(kernels.compute_dtype(run.model_cfg.dtype))
     log(f"preset {run.preset.name} on mesh {dict(run.mesh.shape)}; {tokens_per_step:,} "
-        f"tokens/step; MFU against {peak / 1e12:.2f} TFLOP/s per device ({peak_source})")
+        f"tokens/step; {kernels.describe(run.model_cfg.kernels, run.model_cfg.dtype)}; MFU "
+        f"against {peak.flops / 1e12:.2f} TFLOP/s per device ({peak.source})")
     if run.pipeline.microbatches:
         stages = run.mesh.shape[sharding.pipeline_axis(run.preset.rules)]
         log(pipeline.describe(stages, run.model_cfg.num_layers, run.pipeline,
@@ -304,7 +306,8 @@ def _record(run: Run, recorder: metrics.Recorder, step: int, reported) -> None:
     if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
         cfg = run.train_cfg
         raise metrics.TrainingDiverged.at(
-            step, values, lr=cfg.lr, warmup=warmup_for(cfg), dtype=run.model_cfg.dtype,
+            step, values, lr=cfg.lr, warmup=warmup_for(cfg),
+            dtype=kernels.compute_dtype(run.model_cfg.dtype),
             out=run.dir.path, latest_checkpoint=run.checkpointer.latest_step())
 
 

@@ -120,6 +120,6 @@ def test_bad_recipe_files_are_refused_saying_what_is_wrong(tmp_path, text, messa
 
 
 def test_an_unknown_recipe_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="unknown recipe 'stories-gpu': choose one of .*"
+    with pytest.raises(ConfigError, match="unknown recipe 'stories-tpu'.*: choose one of .*"
                                           "stories-cpu"):
-        load_recipe("stories-gpu")
+        load_recipe("stories-tpu")

@@ -46,7 +46,7 @@ def test_the_tokenizer_flag_gives_the_model_a_matching_vocabulary():
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "5", "--time-budget", "1m"], "give --steps or --time-budget, not both"),
     (["--time-budget", "soon"], "expected a duration"),
-    (["--recipe", "stories-gpu"], "unknown recipe 'stories-gpu'"),
+    (["--recipe", "stories-tpu"], "unknown recipe 'stories-tpu'"),
     (["--resume", "--recipe", "stories-cpu"], "config.json does not exist: is this a minigpt run"),
     (["--tokenizer", "nope"], "unknown tokenizer 'nope'"),
 ])

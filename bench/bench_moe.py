@@ -10,9 +10,10 @@ AdamW train step compiled, one warm-up step, then the best of `--repeats` timed 
 runs once per round, each round starting one configuration later, and the table keeps each
 one's best round. Beside the two models under both presets it times what decided the defaults:
 under `ep`, the tokens travelling to their experts by all-to-all against every expert's weights
-gathered to every device (`minigpt.parallel.experts.MOVE`); the grouped products as XLA's CPU
-backend runs `jax.lax.ragged_dot` (`model.kernels=reference`) against the CPU kernel; and the
-capacity dispatch (factor 1.25), whose all-to-all the compiler infers.
+gathered to every device (`minigpt.sharding.Experts`, in the context the preset enters); the
+grouped products as XLA's CPU backend runs `jax.lax.ragged_dot` (`model.kernels=reference`)
+against the CPU kernel; and the capacity dispatch (factor 1.25), whose all-to-all the
+compiler infers.
 
     python bench/bench_moe.py --balance RUN [RUN ...]
 
@@ -48,11 +49,9 @@ def worker(spec: dict) -> dict:
     from minigpt import sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, count_params, get_config
-    from minigpt.parallel import experts
     from minigpt.train import lr_schedule, steps
     from minigpt.train.optimizer import make_optimizer
 
-    experts.MOVE = spec.get("move", experts.MOVE)
     cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
     train_cfg = TrainConfig(batch_size=BATCH)
     T = cfg.context_len
@@ -67,7 +66,8 @@ def worker(spec: dict) -> dict:
     mesh = sharding.make_mesh(preset)
     model, optimizer = sharding.create_sharded(build, preset, mesh)
     rng, rates = jax.random.key(0), lr_schedule.lr_schedule(train_cfg)
-    with sharding.use_preset(preset, mesh):
+    how = sharding.Experts(move=spec.get("move", "tokens"))
+    with sharding.use_preset(preset, mesh, experts=how):
         batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
         start = time.perf_counter()
         compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()

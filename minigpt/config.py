@@ -50,9 +50,15 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 def _check_fields(config: Any, scope: str) -> None:
+    """Check every field's type; a list where a tuple is declared (as JSON, TOML and Python
+    callers give sequences) is taken as that tuple."""
     hints = field_types(type(config))
     for f in dataclasses.fields(config):
-        check_value(f"{scope}.{f.name}", hints[f.name], getattr(config, f.name))
+        value = getattr(config, f.name)
+        if isinstance(value, list) and typing.get_origin(hints[f.name]) is tuple:
+            value = tuple(value)
+            object.__setattr__(config, f.name, value)
+        check_value(f"{scope}.{f.name}", hints[f.name], value)
 
 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: see minigpt.models.kernels.compute_dtype
@@ -139,8 +145,6 @@ class ModelConfig:
     router_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.mlp_only_layers, list):  # as JSON (config.json) holds it
-            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         _check_fields(self, "model")
         positive = ("vocab_size", "context_len", "embed_dim", "num_heads", "mlp_dim",
                     "num_layers", "vocab_multiple")
@@ -256,6 +260,7 @@ class TrainConfig:
     model: str = "minigpt"
     data: tuple[str, ...] = ("tinystories",)
     data_root: str = "data"
+    data_truncate: bool = False  # data.truncate: cut chats longer than a window (data.chats)
     out: str = "runs/default"
     steps: int = 5000
     batch_size: int = 64  # global batch, in sequences
@@ -272,9 +277,8 @@ class TrainConfig:
     # keys and values of other devices: "ring" (blocks travel round the devices, memory O(T/N))
     # or "all_gather" (each device gathers them all, O(T)). Same numbers either way.
     context_strategy: str = "ring"
-    # Whether the documents packed into each window stay apart (minigpt.data.documents):
-    # attention within each document, positions from its start, no target of the next
-    # document trained. Runs from before this field trained without (config.json: false).
+    # Keep the documents packed into each window apart (minigpt.data.documents). Runs from
+    # before this field trained without: their config.json reads as false.
     document_mask: bool = True
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
@@ -325,8 +329,6 @@ class TrainConfig:
     lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_targets, list):  # as JSON (config.json) and TOML hold it
-            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         _check_fields(self, "train")
         positive = ("steps", "batch_size", "microbatches", "log_every", "eval_every",
                     "eval_batches", "save_every", "keep_checkpoints")
@@ -384,13 +386,6 @@ class TrainConfig:
         if self.lora_rank and not self.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the projections to adapt "
                               f"(default {','.join(LORA_TARGETS)})")
-
-
-def warmup_for(cfg: TrainConfig) -> int:
-    """The warm-up steps of a run: as configured, or (-1) a tenth of its horizon, at most 100."""
-    if cfg.warmup_steps >= 0:
-        return cfg.warmup_steps
-    return max(1, min(100, (cfg.decay_steps or cfg.steps) // 10))
 
 
 def parse_step_range(text: str) -> tuple[int, int]:

@@ -10,12 +10,12 @@ from minigpt.config import (
     ModelConfig,
     TrainConfig,
     parse_step_range,
-    warmup_for,
 )
 from minigpt.models import get_config
 from minigpt.tokenizer import load_tokenizer
 from minigpt.train.budget import parse_duration
 from minigpt.train.cli import apply_overrides
+from minigpt.train.lr_schedule import warmup_for
 from minigpt.train.recipes import available_recipes, load_recipe
 
 

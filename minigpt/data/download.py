@@ -154,8 +154,9 @@ def download_file(url: str, dest: str | Path, *, size: int | None = None,
             last_error = f"{type(error).__name__}: {error}"
             if not part.have and _unreachable(error):  # retrying would only wait
                 raise DataError(f"cannot reach {urllib.parse.urlsplit(url).netloc} ({last_error})"
-                                f": check the network (or MINIGPT_HF_BASE), or give local "
-                                f"text files with --data FILE...") from error
+                                f": check the network (or MINIGPT_HF_BASE), or train on "
+                                f"local text files (--data FILE... on the command line, "
+                                f"TrainConfig.data in Python)") from error
         if attempt + 1 < attempts:
             time.sleep(retry_wait * 2**attempt)
     else:

@@ -18,26 +18,24 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from minigpt.data.documents import window_documents
-from minigpt.data.token_files import DataError, open_split
+from minigpt.data.chats import load_rows
+from minigpt.data.documents import positions_in_documents, window_documents
+from minigpt.data.token_files import DataError, load_meta, open_split
 
 
 class _ReadRows:
-    """Global batch k -> this process's rows of it, as one gather from the token file.
+    """Global batch k -> this process's rows of it, as one gather: windows of a token stream
+    (`stream_windows`) or prepared rows (`stored_rows`), by index.
 
     The window order of epoch e is a permutation seeded by (seed, e), computed with NumPy once
     per epoch. Grain's own per-index shuffle gives the same guarantees but costs 5-15 us of
     Python per window, a hundred times the cost of reading the window.
     """
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, rows: int,
-                 first_row: int, seed: int, shuffle: bool,
-                 documents: tuple[int, int | None] | None):
-        self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
-        self.documents = documents
+    def __init__(self, gather, num_windows: int, *, batch_size: int, rows: int, first_row: int,
+                 seed: int, shuffle: bool):
+        self.gather, self.num_windows, self.seed, self.shuffle = gather, num_windows, seed, shuffle
         self.batch_size, self.rows, self.first_row = batch_size, rows, first_row
-        self.num_windows = (len(tokens) - 1) // seq_len
-        self.span = np.arange(seq_len + 1)
         # A batch touches at most two epochs; keep both permutations, not one per epoch seen.
         self._order = functools.lru_cache(maxsize=2)(self._permutation)
 
@@ -50,13 +48,36 @@ class _ReadRows:
         if self.shuffle:
             for e in np.unique(epoch):
                 windows[epoch == e] = self._order(int(e))[windows[epoch == e]]
-        chunk = self.tokens[(windows * self.seq_len)[:, None] + self.span]  # [b, T+1]
-        chunk = chunk.astype(np.int32)
+        return self.gather(windows)
+
+
+def stream_windows(tokens: np.ndarray, seq_len: int,
+                   documents: tuple[int, int | None] | None):
+    """Window i of a token stream is tokens[i*seq_len : i*seq_len + seq_len + 1]: a function
+    gathering windows into {"inputs", "targets"} [b, T] (and with `documents`, the begin and
+    end tokens, where each window's documents lie: `minigpt.data.documents`)."""
+    span = np.arange(seq_len + 1)
+
+    def gather(windows: np.ndarray) -> dict[str, np.ndarray]:
+        chunk = tokens[(windows * seq_len)[:, None] + span].astype(np.int32)  # [b, T+1]
         batch = {"inputs": np.ascontiguousarray(chunk[:, :-1]),   # [b, T]
                  "targets": np.ascontiguousarray(chunk[:, 1:])}   # [b, T]
-        if self.documents is not None:
-            batch.update(window_documents(chunk, *self.documents))
+        if documents is not None:
+            batch.update(window_documents(chunk, *documents))
         return batch
+
+    return gather
+
+
+def stored_rows(arrays: dict[str, np.ndarray]):
+    """A function gathering prepared rows (packed conversations, `minigpt.data.chats`) by
+    index, with each position's place in its conversation."""
+    def gather(rows: np.ndarray) -> dict[str, np.ndarray]:
+        batch = {name: np.ascontiguousarray(a[rows]) for name, a in arrays.items()}
+        batch["positions"] = positions_in_documents(batch["segment_ids"])
+        return batch
+
+    return gather
 
 
 def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, seed: int,
@@ -81,17 +102,26 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
         raise DataError(f"seed must be non-negative, got {seed}")
     if num_epochs is not None and num_epochs < 1:
         raise DataError(f"num_epochs must be positive or None (forever), got {num_epochs}")
-    tokens = open_split(data_dir, split)
-    num_windows = (len(tokens) - 1) // seq_len
-    if num_windows < batch_size:
-        raise DataError(
-            f"the {split} split of {data_dir} has {len(tokens):,} tokens, fewer than one batch "
-            f"of {batch_size} windows of {seq_len} + 1 tokens needs ({batch_size * seq_len + 1:,})"
-            f": use a smaller batch size or sequence length, or more text")
+    if load_meta(data_dir).get("kind") == "chats":  # whole windows of conversations
+        arrays = load_rows(data_dir, split)
+        num_windows = len(arrays["inputs"])
+        if arrays["inputs"].shape[1] != seq_len:
+            raise DataError(f"{data_dir} holds windows of {arrays['inputs'].shape[1]} tokens, "
+                            f"not {seq_len}")
+        gather = stored_rows(arrays)
+    else:
+        tokens = open_split(data_dir, split)
+        num_windows = (len(tokens) - 1) // seq_len
+        if num_windows < batch_size:
+            raise DataError(
+                f"the {split} split of {data_dir} has {len(tokens):,} tokens, fewer than one "
+                f"batch of {batch_size} windows of {seq_len} + 1 tokens needs "
+                f"({batch_size * seq_len + 1:,}): use a smaller batch size or sequence "
+                f"length, or more text")
+        gather = stream_windows(tokens, seq_len, documents)
     rows = batch_size // process_count
-    read = _ReadRows(tokens, seq_len=seq_len, batch_size=batch_size, rows=rows,
-                     first_row=process_index * rows, seed=seed, shuffle=shuffle,
-                     documents=documents)
+    read = _ReadRows(gather, num_windows, batch_size=batch_size, rows=rows,
+                     first_row=process_index * rows, seed=seed, shuffle=shuffle)
     num_batches = (sys.maxsize if num_epochs is None else num_epochs * num_windows) // batch_size
     batches = grain.MapDataset.range(num_batches).map(read)
     # Batches are cheap to gather from the page cache; a small prefetch overlaps them with the

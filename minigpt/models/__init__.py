@@ -13,6 +13,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from minigpt.config import ConfigError, ModelConfig
+from minigpt.files import unknown_name
 from minigpt.models.decoder import DecoderLM, count_params
 from minigpt.models.gpt2 import GPT2
 from minigpt.models.llama import Llama
@@ -75,7 +76,7 @@ CONFIGS: dict[str, ModelConfig] = {
 
 def get_config(name: str) -> ModelConfig:
     if name not in CONFIGS:
-        raise ConfigError(f"unknown model {name!r}; the zoo has: {', '.join(CONFIGS)}")
+        raise ConfigError(unknown_name("model", name, list(CONFIGS)))
     return CONFIGS[name]
 
 

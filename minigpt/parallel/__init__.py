@@ -8,14 +8,14 @@ others. Model code calls these functions where the active rules ask for them and
 mesh axis; the axis comes from the rules (`minigpt.sharding`).
 
 - `ring`: causal attention over a sequence split across devices (context parallelism): the
-  ring and all-gather strategies, the dual-chunk order that balances their work, and the
-  online-softmax block arithmetic both share.
+  ring and all-gather strategies and the dual-chunk order that balances their work; `blocks`,
+  the online-softmax arithmetic of one pair of chunks both share.
 - `experts`: a mixture of experts' dropless dispatch over the `expert` axis: each device sorts
   its tokens by expert, and the rows travel to their experts' devices and back by all-to-all.
 """
 
+from minigpt.parallel.blocks import TILE
 from minigpt.parallel.ring import (
-    TILE,
     Ring,
     active_ring,
     causal_attention,

@@ -11,9 +11,10 @@ batch is split. How it runs follows the active rules:
   axis is what the compiler cannot partition: it would gather every token everywhere);
 - experts split too (the `expert` rule, on axes that also split the tokens: presets `ep`,
   `fsdp_ep`): the rows travel to their experts' devices and back by two all-to-alls, each
-  device running only its own experts (`MOVE = "tokens"`). The alternative, gathering every
-  expert's weights to every device as FSDP does (`MOVE = "weights"`), is what the compiler does
-  with the program written without collectives; bench/RESULTS.md measures both;
+  device running only its own experts (`sharding.Experts(move="tokens")`, the default). The
+  alternative, gathering every expert's weights to every device as FSDP does (`move="weights"`,
+  in the context the preset's rules travel in), is what the compiler does with the program
+  written without collectives; bench/RESULTS.md measures both;
 - inside another manual region (a pipeline stage: JAX cannot nest `shard_map` there), or where
   the batch does not divide among the devices (decoding one sequence), the program is left to
   the compiler, which gathers what it needs: the same numbers, less parallel.
@@ -37,9 +38,6 @@ import jax.numpy as jnp
 
 from minigpt import sharding
 
-# How rows meet the experts under an expert axis: "tokens" travel by all-to-all, or "weights"
-# are gathered to every device (bench/RESULTS.md measures both; the benchmark switches it).
-MOVE = "tokens"
 # The rows one device may send another in a step, as a multiple of an even share (M / X): what
 # the all-to-all buffers hold. Beyond it a step gathers the experts' weights instead.
 SLACK = 2
@@ -74,7 +72,8 @@ def dropless(x: jax.Array, experts: jax.Array, weights: jax.Array,
     if not token_axes or x.shape[0] % ways[0] or x.shape[1] % ways[1]:
         return _grouped(x, experts, weights, params, ffn)
     split = expert_axes()
-    travel = MOVE == "tokens" and split and set(split) <= set(token_axes)
+    travel = (sharding.active().experts.move == "tokens" and split
+              and set(split) <= set(token_axes))
     axis = (split[0] if len(split) == 1 else split) if travel else None
     expert_spec = jax.P(axis) if travel else jax.P()
 

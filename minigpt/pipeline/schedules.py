@@ -19,6 +19,7 @@ forward has left the last stage, so a stage keeps at most 2S - 1 stage inputs ho
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -171,3 +172,32 @@ def layer_order(num_layers: int, stages: int, repeats: int) -> np.ndarray:
     c = num_layers // (R * S)
     chunks = [r * S + s for s in range(S) for r in range(R)]  # position order, stage-major
     return np.concatenate([np.arange(k * c, (k + 1) * c) for k in chunks]).astype(np.int32)
+
+
+# Reading a table for the pipeline's settings (`sharding.Pipeline`) ---------------------------
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The share of a step each stage spends idle: (S - 1) / (R M + S - 1), the same for GPipe
+    and 1F1B (R = 1) and for the circular schedule (R > 1)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+@functools.cache
+def table(settings, stages: int) -> Schedule:
+    """The schedule table for these pipeline settings on `stages` stages."""
+    return make(settings.schedule, stages, settings.microbatches, settings.repeats)
+
+
+def describe(stages: int, num_layers: int, settings, *,
+             sequences: int) -> str:
+    """One line saying how the stack runs: stages and chunks, the schedule, microbatches of
+    `sequences`, the bubble and the stage inputs each stage keeps for its backward."""
+    S, M, R = stages, settings.microbatches, settings.repeats
+    c = num_layers // (R * S)
+    chunks = (f"{R} chunks of {c} layer(s) each, circular" if R > 1 else
+              f"{num_layers // S} layer(s) each")
+    return (f"pipeline: {S} stages of {chunks}; schedule {settings.schedule}, {M} microbatches of "
+            f"{sequences // M} sequences; bubble (S - 1) / (R M + S - 1) = "
+            f"{bubble_fraction(S, M, R):.1%} of each step; each stage keeps up to "
+            f"{table(settings, S).stash_size} microbatch inputs for its backward")

@@ -22,38 +22,7 @@ import jax
 from flax import nnx
 
 from minigpt.sharding.presets import Preset, Rules, mesh_axes_in, resolve_spec, ways
-
-
-@dataclasses.dataclass(frozen=True)
-class Pipeline:
-    """How a pipeline preset runs the block stack: settings of the program, never of the numbers
-    (every choice computes the same losses and gradients)."""
-
-    microbatches: int = 0  # M: pieces each batch goes through the stages in; 0: two per stage
-    # minigpt.pipeline.schedules: "gpipe" or "1f1b"; "": 1f1b (faster at the default M in
-    # bench/RESULTS.md, and its memory does not grow with M), or gpipe for the circular schedule
-    schedule: str = ""
-    repeats: int = 1  # R > 1: the circular schedule, each stage holding R chunks of layers
-
-    def __post_init__(self) -> None:
-        if not self.schedule:
-            object.__setattr__(self, "schedule", "gpipe" if self.repeats > 1 else "1f1b")
-
-
-@dataclasses.dataclass(frozen=True)
-class ContextParallel:
-    """How attention runs where the rules split `seq` over several devices
-    (`minigpt.parallel.ring`): settings of the program, never of the numbers."""
-
-    strategy: str = "ring"  # "ring" or "all_gather" (minigpt.config.CONTEXT_STRATEGIES)
-    # The model runs its positions in dual-chunk order: of 2N chunks, device i holds chunks i
-    # and 2N-1-i, so causal attention gives every device the same work.
-    balanced: bool = True
-
-
-def default_microbatches(stages: int) -> int:
-    """Pipeline microbatches when none are configured: 2 per stage (a GPipe bubble under 1/3)."""
-    return 2 * stages
+from minigpt.sharding.settings import ContextParallel, Experts, Pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +33,7 @@ class Context:
     pipeline: Pipeline = Pipeline()
     kernels: str = "auto"  # minigpt.models.kernels: "auto" or a set (minigpt.config.KERNELS)
     context_parallel: ContextParallel = ContextParallel()
+    experts: Experts = Experts()
 
 
 _DEFAULT = Context()
@@ -86,17 +56,20 @@ def running(**changes: Any) -> Iterator[Context]:
 
 
 @contextlib.contextmanager
-def use_preset(preset: Preset, mesh, pipeline: Pipeline = Pipeline(), *,
-               context_parallel: ContextParallel = ContextParallel()) -> Iterator[None]:
+def use_preset(preset: Preset, mesh, pipeline: Pipeline | None = None, *,
+               context_parallel: ContextParallel | None = None,
+               experts: Experts | None = None) -> Iterator[None]:
     """Enter the mesh, the preset's logical-axis rules and how to run (a pipeline, attention
-    over a split sequence): the context for all model code.
+    over a split sequence, experts; `settings`' defaults where not given): the context for all
+    model code.
 
     The rules live in our own context rather than `nnx.logical_axis_rules`, because Flax maps each
     logical name independently and would turn an [embed, mlp] kernel under `fsdp` into the invalid
     spec ('fsdp', 'fsdp'); `logical_to_spec` resolves such clashes.
     """
-    with running(rules=preset.rules, pipeline=pipeline, context_parallel=context_parallel), \
-            jax.set_mesh(mesh):
+    with running(rules=preset.rules, pipeline=pipeline or Pipeline(),
+                 context_parallel=context_parallel or ContextParallel(),
+                 experts=experts or Experts()), jax.set_mesh(mesh):
         yield
 
 

@@ -13,11 +13,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import minigpt.data.chats as chats
 import minigpt.train.steps as steps
-from minigpt import sharding
+from minigpt import chat_template, sharding
 from minigpt.config import TrainConfig
 from minigpt.data.documents import text_targets
 from minigpt.data.loader import batch_iterator
+from minigpt.runs import RunDir
+
+
+def for_chats(tokenizer, cfg: TrainConfig, *, resume: bool, say) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer a run renders its conversations with, and what config.json records of it:
+    for data that is not conversations, the tokenizer as it is and nothing. A vocabulary without
+    a chat template (a zoo model's) takes the one the run (or the run it starts from) recorded,
+    or ChatML, said in one line; the template is recorded, so `--chat` renders as training did."""
+    if not chats.is_chats(cfg.data):
+        return tokenizer, {}
+    source = cfg.out if resume else cfg.init_from
+    recorded = None
+    if source and RunDir(source).config_file.is_file():
+        recorded = RunDir(source).read().record.get("chat_template")
+    rendering, defaulted = chat_template.with_template(tokenizer, recorded)
+    if defaulted:
+        say("the model's vocabulary has no chat template: conversations are rendered as ChatML, "
+            "its end token closing each turn (recorded in config.json; --chat renders the same)")
+    if isinstance(rendering, chat_template.Templated):
+        return rendering, {"chat_template": rendering.chat_template}
+    return rendering, {}
 
 
 def documents(tokenizer, cfg: TrainConfig) -> tuple[int, int | None] | None:

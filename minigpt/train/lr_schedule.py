@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from minigpt.config import TrainConfig, warmup_for
+from minigpt.config import TrainConfig
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=(
@@ -45,6 +45,13 @@ class LRSchedule:
             1 + jnp.cos(math.pi * progress))
         return jnp.where(step < self.warmup, warm,
                          jnp.where(step < self.decay_start, self.peak, cosine))
+
+
+def warmup_for(cfg: TrainConfig) -> int:
+    """The warm-up steps of a run: as configured, or (-1) a tenth of its horizon, at most 100."""
+    if cfg.warmup_steps >= 0:
+        return cfg.warmup_steps
+    return max(1, min(100, (cfg.decay_steps or cfg.steps) // 10))
 
 
 def lr_schedule(cfg: TrainConfig) -> LRSchedule:

@@ -1,0 +1,138 @@
+"""`python -m minigpt.data`: prepare a dataset, train a vocabulary, or show what chat
+fine-tuning trains on.
+
+    python -m minigpt.data prepare --dataset tinystories [--version v1|v2] [--out data/]
+    python -m minigpt.data prepare --text FILE... [--val-fraction 0.1] [--out data/]
+    (either with --tokenizer gpt2|tinystories-4k|FILE.tiktoken; default gpt2)
+    python -m minigpt.data tokenizer --vocab-size N --text FILE... --out FILE.tiktoken
+    python -m minigpt.data sft --run RUN --data chats.jsonl [--show N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import minigpt.data.chats as chats
+from minigpt import chat_template
+from minigpt.data.sources import prepare_text, prepare_tinystories
+from minigpt.data.token_files import DataError, load_meta
+from minigpt.data.vocabulary import train_tokenizer
+from minigpt.runs import RunDir, RunError
+from minigpt.runtime import plain_warnings
+from minigpt.tokenizer import DEFAULT_TOKENIZER, TokenizerError, load_tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minigpt.data", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="download and/or tokenize a dataset once")
+    source = prep.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dataset", choices=["tinystories"], help="an official dataset")
+    source.add_argument("--text", nargs="+", metavar="FILE",
+                        help="local text: stories separated by <|endoftext|> lines or blank lines")
+    prep.add_argument("--version", choices=["v1", "v2"], default="v1",
+                      help="TinyStories v1 (GPT-3.5 + GPT-4) or v2 (GPT-4 only)")
+    prep.add_argument("--val-fraction", type=float, default=None,
+                      help="share of local-text stories held out for validation (default 0.1)")
+    prep.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
+                      help="gpt2 (default), tinystories-4k, or a .tiktoken ranks file")
+    prep.add_argument("--out", default="data", help="root directory (default: data)")
+    bpe = commands.add_parser("tokenizer", help="train a BPE vocabulary on stories "
+                                                "(needs the optional trainer: .[bpe])")
+    bpe.add_argument("--vocab-size", type=int, required=True,
+                     help="tokens in all, <|endoftext|> included")
+    bpe.add_argument("--text", nargs="+", metavar="FILE", required=True)
+    bpe.add_argument("--out", required=True, metavar="FILE.tiktoken")
+    sft = commands.add_parser("sft", help="show what chat fine-tuning trains on: conversations "
+                                          "with their trained tokens marked")
+    sft.add_argument("--run", required=True, help="the run to fine-tune (its tokenizer and "
+                                                  "chat template render the conversations)")
+    sft.add_argument("--data", nargs="+", required=True, metavar="FILE.jsonl",
+                     help='conversations: {"messages": [...]} per line, or folders of such files')
+    sft.add_argument("--show", type=int, default=2, metavar="N",
+                     help="conversations to print, trained text marked (default 2)")
+    sft.add_argument("--json", action="store_true",
+                     help='print every conversation as {"ids": [...], "loss_mask": [...]} '
+                          "instead, one per line")
+    args = parser.parse_args(argv)
+    if args.command == "prepare" and args.dataset and args.val_fraction is not None:
+        parser.error("--val-fraction applies to --text; TinyStories has a validation file")
+    try:
+        with plain_warnings():
+            if args.command == "tokenizer":
+                return _train_command(args)
+            if args.command == "sft":
+                return _sft_command(args)
+            load_tokenizer(args.tokenizer)  # a bad name fails before any download
+            if args.dataset:
+                out = prepare_tinystories(args.out, args.version, tokenizer=args.tokenizer)
+            else:
+                out = prepare_text(args.text, args.out, val_fraction=args.val_fraction,
+                                   tokenizer=args.tokenizer)
+            meta = load_meta(out)
+    except (DataError, TokenizerError, RunError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    print(f"{out}: train {meta['train_tokens']:,} tokens ({meta['train_stories']:,} stories), "
+          f"val {meta['val_tokens']:,} tokens ({meta['val_stories']:,} stories), "
+          f"tokenizer {meta['tokenizer']}")
+    return 0
+
+
+def _train_command(args: argparse.Namespace) -> int:
+    if not args.out.endswith(".tiktoken"):
+        raise DataError(f"--out {args.out}: name the ranks file FILE.tiktoken")
+    provenance = train_tokenizer(args.text, args.vocab_size, args.out)
+    enc = load_tokenizer(str(Path(args.out).resolve()))
+    text_bytes = sum(Path(f).stat().st_size for f in args.text)
+    tokens = sum(len(enc.encode_ordinary(Path(f).read_text(encoding="utf-8")))
+                 for f in args.text)
+    print(f"{args.out}: {provenance['vocab_size']:,} tokens; {text_bytes / tokens:.2f} bytes "
+          f"per token on the training text; provenance in {Path(args.out).with_suffix('.json')}")
+    return 0
+
+
+def _sft_command(args: argparse.Namespace) -> int:
+    """Render, tokenize and mask the conversations as `--init-from RUN --data ...` would."""
+    saved = RunDir(args.run).read()
+    tokenizer, defaulted = chat_template.with_template(load_tokenizer(saved.model.tokenizer),
+                                               saved.record.get("chat_template"))
+    max_chars = saved.model.context_len * chat_template.CHARS_PER_TOKEN
+    shown = 0
+    for path in chats.chat_files(args.data):
+        for where, messages in chats.read_conversations(path):
+            conversation = chats.encode(tokenizer, messages, where, max_chars)
+            if args.json:
+                print(json.dumps({"ids": conversation.ids, "loss_mask": conversation.mask}))
+            elif shown < args.show:
+                print(_marked(tokenizer, conversation))
+                shown += 1
+    if defaulted:  # said last, so that a refusal is the one line printed
+        print("note: the run's vocabulary has no chat template: rendered as ChatML, its end "
+              "token closing each turn, as training would", file=sys.stderr)
+    return 0
+
+
+def _marked(tokenizer, conversation: chats.Conversation) -> str:
+    """A conversation's text with its trained tokens marked: green on a terminal, else in
+    [[double brackets]]."""
+    on, off = ("\033[32m", "\033[0m") if sys.stdout.isatty() else ("[[", "]]")
+    pieces, run, trained = [], [], None
+    for token, mask in [*zip(conversation.ids, conversation.mask), (None, None)]:
+        if mask != trained and run:
+            text = tokenizer.decode(run)
+            pieces.append(f"{on}{text}{off}" if trained else text)
+            run = []
+        run.append(token)
+        trained = mask
+    count = sum(conversation.mask)
+    return (f"--- {conversation.where}: {len(conversation.ids)} tokens, {count} trained\n"
+            + "".join(pieces))

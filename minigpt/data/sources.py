@@ -1,0 +1,167 @@
+"""Where training data comes from, by name: a dataset (TinyStories, downloaded and tokenized on
+first use), text files, conversations (.jsonl, for chat fine-tuning), or a directory already
+prepared. `resolve_data` turns any of them into a prepared directory and returns it;
+`check_tokenizer` refuses data tokenized for another model; `prepare_in_job` does it once in a
+multi-process job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import minigpt.data.chats as chats
+import minigpt.data.download as download
+import minigpt.data.prepare as prepare
+from minigpt import chat_template
+from minigpt.config import ConfigError
+from minigpt.data.token_files import DataError, load_meta
+from minigpt.files import sha256
+from minigpt.tokenizer import (
+    DEFAULT_TOKENIZER,
+    load_tokenizer,
+    ranks_file,
+    shipped_tokenizers,
+)
+
+DATASETS = {"tinystories": "v1", "tinystories-v1": "v1", "tinystories-v2": "v2"}
+
+
+def _tokenizer_suffix(tokenizer: str) -> str:
+    """What a prepared directory's name gains for a tokenizer other than GPT-2's: its name, and
+    for a file or folder of one's own (an imported vocabulary) the start of its hash, so two
+    vocabularies never share a directory."""
+    if tokenizer == DEFAULT_TOKENIZER:
+        return ""
+    folder = Path(tokenizer) / "tokenizer.json"
+    if folder.is_file():
+        return f"-{Path(tokenizer).name}-{sha256(folder)[:8]}"
+    path = ranks_file(tokenizer)
+    if path is None:
+        return f"-{tokenizer}"
+    if tokenizer in shipped_tokenizers():
+        return f"-{path.stem}"
+    return f"-{path.stem}-{sha256(path)[:8]}" if path.is_file() else f"-{path.stem}"
+
+
+def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
+                        base_url: str | None = None, revision: str | None = None,
+                        tokenizer: str = DEFAULT_TOKENIZER, progress: bool = True) -> Path:
+    """Download (once) and tokenize (once per tokenizer) TinyStories into
+    `root/tinystories[-v2][-<tokenizer>]/` (the downloaded text stays in the first)."""
+    if version not in download.TINYSTORIES_FILES:
+        raise DataError(f"unknown TinyStories version {version!r}: choose v1 or v2")
+    revision = revision or download.TINYSTORIES_REVISION
+    text_dir = Path(root) / ("tinystories" if version == "v1" else f"tinystories-{version}")
+    out = text_dir.with_name(text_dir.name + _tokenizer_suffix(tokenizer))
+    files = download.TINYSTORIES_FILES[version]
+    sources = [(text_dir / files["train"], "train"), (text_dir / files["val"], "val")]
+    expected = {"dataset.revision": revision, "tokenizer": tokenizer}
+    if prepare.is_current(out, expected, sources, allow_deleted=True):
+        return out
+    urls = {split: download.hf_url(name, revision=revision, base_url=base_url)
+            for split, name in files.items()}
+    for split, name in files.items():
+        size, sha256 = download.expected_file(name, revision)
+        download.download_file(urls[split], text_dir / name, size=size, sha256=sha256,
+                               progress=progress)
+    prepare.prepare(
+        out, [text_dir / files["train"]], val_files=[text_dir / files["val"]], complete=True,
+        tokenizer=tokenizer,
+        dataset={"name": "tinystories", "version": version, "repo": download.HF_REPO,
+                 "revision": revision, "urls": urls},
+        progress=progress)
+    return out
+
+
+def prepare_text(files: Sequence[str | Path], root: str | Path = "data", *,
+                 val_fraction: float | None = None, tokenizer: str = DEFAULT_TOKENIZER,
+                 progress: bool = True) -> Path:
+    """Tokenize local text files into `root/text-<hash of their contents>[-<tokenizer>]/`."""
+    paths = _text_files(files)
+    combined = hashlib.sha256()
+    for path in paths:
+        combined.update(bytes.fromhex(sha256(path)))
+    out = Path(root) / f"text-{combined.hexdigest()[:12]}{_tokenizer_suffix(tokenizer)}"
+    prepare.prepare(out, paths, progress=progress, tokenizer=tokenizer,
+                        val_fraction=(prepare.DEFAULT_VAL_FRACTION if val_fraction is None
+                                      else val_fraction),
+                        dataset={"name": "text", "files": [str(p.resolve()) for p in paths]})
+    return out
+
+
+def _text_files(files: Sequence[str | Path]) -> list[Path]:
+    paths = [Path(f) for f in files]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise DataError(f"no such file: {', '.join(missing)} (data is 'tinystories', "
+                        f"'tinystories-v2', a prepared directory, or text files)")
+    return paths
+
+
+def resolve_data(data: str | Sequence[str], root: str | Path = "data",
+                 tokenizer: str | None = None, *, seq_len: int = 0, truncate: bool = False,
+                 template: str | None = None) -> Path:
+    """A prepared directory (train.bin, val.bin, meta.json) for a dataset name or text files.
+
+    `"tinystories"` / `"tinystories-v2"` download and prepare into `root` on first use; a
+    directory holding meta.json is used as it is (refused if a `tokenizer` is named and it used
+    another); .jsonl files (or folders of them) are conversations, rendered with the
+    tokenizer's chat template (or `template`, or ChatML: `minigpt.data.chats`) and packed
+    into windows of `seq_len` (`truncate`: cut a longer one instead of refusing it); anything
+    else is a list of text files. Text is tokenized with `tokenizer`, GPT-2's when None.
+    """
+    items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
+    if not items:
+        raise DataError("no data given: name a dataset (tinystories, tinystories-v2) or files")
+    if chats.is_chats(items):
+        if seq_len < 1:
+            raise DataError("conversations are packed into windows: give their length (seq_len)")
+        name = tokenizer or DEFAULT_TOKENIZER
+        rendering, _ = chat_template.with_template(load_tokenizer(name), template)
+        return chats.prepare_chats(items, root, rendering, name, seq_len, truncate=truncate)
+    if len(items) == 1 and str(items[0]).lower() in DATASETS:
+        return prepare_tinystories(root, DATASETS[str(items[0]).lower()],
+                                   tokenizer=tokenizer or DEFAULT_TOKENIZER)
+    if len(items) == 1 and (Path(items[0]) / "meta.json").is_file():
+        used = load_meta(items[0]).get("tokenizer", DEFAULT_TOKENIZER)
+        if tokenizer is not None and used != tokenizer:
+            raise DataError(f"{items[0]} was tokenized with {used!r}, not {tokenizer!r}: give "
+                            f"the text or the dataset name instead and it is prepared again "
+                            f"(or, to train on it, choose a model with that tokenizer: "
+                            f"--tokenizer {used})")
+        return Path(items[0])
+    return prepare_text(items, root, tokenizer=tokenizer or DEFAULT_TOKENIZER)
+
+
+def check_tokenizer(data_dir: str | Path, model_cfg, model_name: str) -> dict:
+    """The meta.json of prepared data a model is to train on, refused (ConfigError) unless the
+    data is in the model's tokenizer. A model's vocabulary may have rows its tokenizer never
+    uses (imported checkpoints often do), so the tokenizer, not the vocabulary size, decides."""
+    meta = load_meta(data_dir)
+    if meta["vocab_size"] != load_tokenizer(model_cfg.tokenizer).n_vocab:
+        raise ConfigError(
+            f"{data_dir} was tokenized with {meta['tokenizer']!r} ({meta['vocab_size']:,} "
+            f"tokens), but model {model_name!r} has a vocabulary of "
+            f"{model_cfg.vocab_size:,} ({model_cfg.tokenizer!r}): give the text or dataset "
+            f"name so it is prepared with the model's tokenizer, or pass --tokenizer "
+            f"{meta['tokenizer']} to train a model with that one")
+    return meta
+
+
+def prepare_in_job(data: Sequence[str], root: str | Path, tokenizer: str, **options) -> Path:
+    """`resolve_data` in a (possibly multi-process) job: process 0 prepares first and the others
+    wait, then reuse its files (a shared file system) or prepare their own copy."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return resolve_data(data, root, tokenizer=tokenizer, **options)
+    data_dir = (resolve_data(data, root, tokenizer=tokenizer, **options)
+                if jax.process_index() == 0 else None)
+    multihost_utils.sync_global_devices("minigpt: data prepared by process 0")
+    return data_dir or resolve_data(data, root, tokenizer=tokenizer, **options)
+
+

@@ -1,7 +1,8 @@
 """The zoo's own tokenizers as Hugging Face tokenizer files, for export.
 
-A tiktoken encoding (`gpt2`, `tinystories-4k`) becomes a `tokenizer.json` that Hugging Face
-`tokenizers` loads and that encodes as the encoding does: the merges are recovered from the
+A tiktoken encoding (`gpt2`, `tinystories-4k`) becomes a `tokenizers.Tokenizer`, built with that
+library's own classes and saved by it as `tokenizer.json`, that encodes as the encoding does
+(so what is written is validated as it is written): the merges are recovered from the
 ranks (for each token, BPE run on its bytes with only lower ranks stops at the two pieces whose
 merge makes it), the split regex becomes a `Split` pre-tokenizer before a ByteLevel one without
 its own regex, and `ignore_merges` mirrors tiktoken's use of a whole piece that is itself a
@@ -16,7 +17,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from minigpt.files import write_text_atomic
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from minigpt.files import replacing, write_text_atomic
 from minigpt.tokenizer import EOT, Encoding, TokenizerError
 
 
@@ -70,9 +73,10 @@ def _rank_below(ranks: dict[bytes, int], limit: int, left: bytes, right: bytes) 
     return rank if rank < limit else None
 
 
-def tokenizer_json_from_encoding(enc: Encoding) -> dict:
-    """A `tokenizer.json` that Hugging Face `tokenizers` loads and that encodes and decodes as
-    `enc` does (with every special token allowed)."""
+def hf_tokenizer(enc: Encoding) -> Tokenizer:
+    """A Hugging Face `tokenizers.Tokenizer`, built by that library, that encodes and decodes as
+    `enc` does (with every special token allowed): built through its own classes, so what is
+    written is what the library accepts."""
     ranks, specials = enc.ranks, enc.special_tokens
     vocab = {token_str(token): rank for token, rank in ranks.items()}
     clash = [s for s in specials if s in vocab]
@@ -80,22 +84,26 @@ def tokenizer_json_from_encoding(enc: Encoding) -> dict:
         raise TokenizerError(f"special token {clash[0]!r} of {enc.name} is also an ordinary "
                              f"token's byte-level spelling; tokenizer.json cannot hold both")
     vocab.update(specials)  # so that Hugging Face keeps their ids
-    merges = [[token_str(a), token_str(b)] for a, b in recover_merges(ranks)]
-    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True}
-             for s, i in sorted(specials.items(), key=lambda item: item[1])]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                  "use_regex": False}
-    split = {"type": "Split", "pattern": {"Regex": enc.pattern}, "behavior": "Isolated",
-             "invert": False}
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-            "normalizer": None,
-            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-            "post_processor": None, "decoder": {**byte_level, "use_regex": True},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None,
-                      "continuing_subword_prefix": None, "end_of_word_suffix": None,
-                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                      "vocab": vocab, "merges": merges}}
+    merges = [(token_str(a), token_str(b)) for a, b in recover_merges(ranks)]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True,
+                                     fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(enc.pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                                  for s, _ in sorted(specials.items(), key=lambda kv: kv[1])])
+    moved = {s: tokenizer.token_to_id(s) for s, i in specials.items()
+             if tokenizer.token_to_id(s) != i}
+    if moved:
+        raise TokenizerError(f"the special tokens of {enc.name} would change ids in "
+                             f"tokenizer.json: {moved}")
+    return tokenizer
+
+
+def tokenizer_json_from_encoding(enc: Encoding) -> dict:
+    """`hf_tokenizer(enc)` as the JSON object of a `tokenizer.json`."""
+    return json.loads(hf_tokenizer(enc).to_str())
 
 
 def write_hf_tokenizer(enc: Encoding, directory: str | Path, *, model_max_length: int,
@@ -112,16 +120,16 @@ def write_hf_tokenizer(enc: Encoding, directory: str | Path, *, model_max_length
             raise TokenizerError(f"{role} {token!r} is not a special token of {enc.name} "
                                  f"({', '.join(enc.special_tokens) or 'it has none'})")
     roles = {role: token for role, token in roles.items() if token is not None}
-    data = tokenizer_json_from_encoding(enc)
+    tokenizer = hf_tokenizer(enc)
     # PreTrainedTokenizerFast builds everything from tokenizer.json; GPT2Tokenizer would
     # replace the split regex with GPT-2's own. No clean-up: it would change decoded spaces.
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, **roles}
-    files = {"tokenizer.json": data, "tokenizer_config.json": config,
-             "special_tokens_map.json": roles, "vocab.json": data["model"]["vocab"]}
-    for file_name, content in files.items():
+    with replacing(directory / "tokenizer.json") as tmp:
+        tokenizer.save(str(tmp), pretty=True)
+    for file_name, content in {"tokenizer_config.json": config,
+                               "special_tokens_map.json": roles}.items():
         write_text_atomic(directory / file_name,
                           json.dumps(content, indent=2, ensure_ascii=False) + "\n")
-    merges = "".join(f"{left} {right}\n" for left, right in data["model"]["merges"])
-    write_text_atomic(directory / "merges.txt", "#version: 0.2\n" + merges)
+    tokenizer.model.save(str(directory))  # GPT-2's vocab.json and merges.txt, as BPE writes them
     return directory

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from minigpt import runtime
+from minigpt import plan, runtime
 from minigpt.checkpoint import CheckpointError
 from minigpt.config import (
     EXECUTION_FIELDS,
@@ -117,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="gpt2, a shipped vocabulary (tinystories-4k) or a "
                                        ".tiktoken file; sets the model's vocabulary to match "
                                        "(default: the model's own)")
-    p.add_argument("--preset", help=f"parallelism preset: a name in presets/ or a .toml path "
-                                    f"(default {d.preset})")
+    p.add_argument("--preset", help=f"parallelism preset: a name in presets/ or a .toml path, "
+                                    f"or auto: the fastest that fits (default {d.preset})")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="with --preset auto, choose for devices of this memory, e.g. 16GiB or "
+                        "80GB (default: what the devices report; on a CPU the machine's share)")
     p.add_argument("--model", help=f"model name from the zoo (default {d.model})")
     p.add_argument("--data", nargs="+", help=f"'tinystories', 'tinystories-v2' or text files "
                                              f"(default {d.data[0]})")
@@ -298,7 +301,10 @@ def run(argv: Sequence[str] | None, train: Callable[..., dict[str, Any]]) -> int
     try:
         with runtime.plain_warnings():
             model_cfg, train_cfg = resolve_configs(args)
-            summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample)
+            memory = args.device_memory and plan.parse_size(args.device_memory)
+            with plan.budget(memory or None):  # what --preset auto chooses for
+                summary = train(model_cfg, train_cfg, resume=args.resume,
+                                sample=not args.no_sample)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ import minigpt.train.flops as flops
 import minigpt.train.lr_schedule as lr_schedule
 import minigpt.train.metrics as metrics
 import minigpt.train.steps as steps
-from minigpt import pipeline, runtime, sharding
+from minigpt import pipeline, plan, runtime, sharding
 from minigpt.checkpoint import Checkpointer
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_step_range, warmup_for
 from minigpt.data import check_tokenizer, prepare_in_job
@@ -78,9 +78,11 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
     Nothing is written before the request is checked; then the run directory is locked for this
     trainer, and the lock and the checkpointer are released however the run ends.
     """
+    train_cfg, chosen = plan.resolve(model_cfg, train_cfg, resume=resume, say=log)  # "auto"
     preset, mesh, settings = check_request(model_cfg, train_cfg, resume=resume)
     with hold_run_lock(Path(train_cfg.out), say=log):
         run = build_run(model_cfg, train_cfg, preset, mesh, settings, resume=resume)
+        run.record.update(chosen)  # how --preset auto chose, for config.json
         try:
             if resume:
                 restore(run)

@@ -1,0 +1,204 @@
+"""What one layer keeps for its backward pass, found by tracing the architecture's own block.
+
+The activations a train step holds at its peak are mostly what each layer of the block stack
+saves in its forward pass for the backward (the *residuals* of the layer's vector-Jacobian
+product), times the layers, or what rematerialisation (`model.remat`) trades them for. Rather
+than a formula per architecture, the plan traces one block of the model as one device runs it
+(`jax.make_jaxpr` of `jax.vjp`; shapes only, nothing computed or compiled): its heads and
+feed-forward units as the preset leaves them (tensor parallelism), with the kernels the step
+would run (`minigpt.models.kernels`), the dropout it would draw and the adapters it carries.
+The backward is traced too, from those residuals, and only the residuals it reads are counted
+(the stack's scan keeps no others: measured against XLA's stacked buffers, bench/RESULTS.md).
+The weights are held anyway and are not counted; the layer's input is, where the backward
+reads it (post-norm blocks).
+
+Residuals grow linearly with the rows, so a block is traced with one row and scaled. Where a
+preset splits the sequence (context parallelism), attention runs round the ring
+(`minigpt.parallel.ring`), which keeps its queries, keys, values, output and log-sum-exp; the
+rest of the layer is position by position, so its residuals scale with the positions a device
+holds. Each distinct split of the heads is traced once and remembered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from minigpt import sharding
+from minigpt.config import ModelConfig
+from minigpt.models import kernels as kernel_sets
+from minigpt.models import lora
+
+try:  # jax's own dead-code elimination, which sees into nested jaxprs
+    from jax._src.interpreters.partial_eval import dce_jaxpr
+except ImportError:  # pragma: no cover - a jax without it: every residual counts
+    dce_jaxpr = None
+
+F32 = 4
+FUSED = ("cudnn", "splash")  # minigpt.models.kernels' fused attention kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTrace:
+    """Bytes one layer holds per row of its input: `saved`, the residuals its backward reads;
+    `largest`, the largest of them; `input`, the layer's input (what a rematerialised layer
+    keeps); and `fixed`, per layer whatever the rows."""
+
+    saved: int
+    largest: int
+    input: int
+    fixed: int = 0  # bytes per layer whatever the rows (a mixture of experts' weight copies)
+    narrow: int = 0  # of `saved`, the bytes in 16-bit types (bfloat16 activations)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one device's layer is cut: its heads, key/value heads, feed-forward units."""
+
+    heads: int
+    kv_heads: int
+    mlp: int
+
+
+class BlockTracer:
+    """Traces a model's block at each split it is asked for, once."""
+
+    def __init__(self, model: nnx.Module, cfg: ModelConfig, kernels: str, *, adapted: bool,
+                 dropping: bool, documents: bool):
+        self.cfg, self.dropping, self.documents = cfg, dropping, documents
+        # A fused attention kernel (cuDNN's, Splash) keeps what a ring keeps: traced with the
+        # plain kernels, its attention's residuals are replaced by those.
+        self.fused = kernels in FUSED
+        self.kernels = "reference" if self.fused else kernels
+        self.wrt = nnx.LoRAParam if adapted else nnx.Param  # a frozen base trains no weight
+        self.graphdef, self.trained, self.frozen = nnx.split(model.blocks.layers, self.wrt, ...)
+        self._cache: dict[tuple, tuple[int, int]] = {}
+
+    def layer(self, split: Split, positions: int, sequence: int) -> LayerTrace:
+        """One layer at this split on `positions` of each row's `sequence` positions (fewer:
+        the sequence is split over devices, and attention runs round their ring)."""
+        cfg = self.cfg
+        saved, largest, fixed, narrow = self._block(split, sequence)
+        if positions != sequence or self.fused:  # the attention's residuals apart
+            attention, _, _ = self._attention(split, sequence)
+            rest = (saved - attention) * positions // sequence
+            a = jnp.dtype(cfg.dtype).itemsize
+            H = cfg.head_dim
+            own = positions * H * (2 * split.heads + 2 * split.kv_heads) * a \
+                + positions * split.heads * F32  # q, k, v, out and the log-sum-exp
+            saved, largest = rest + own, max(largest * positions // sequence, own)
+            narrow = narrow * positions // sequence
+        x = positions * cfg.embed_dim * jnp.dtype(cfg.dtype).itemsize
+        return LayerTrace(saved=saved, largest=largest, input=x, fixed=fixed, narrow=narrow)
+
+    def _block(self, split: Split, T: int) -> tuple[int, int, int, int]:
+        """(bytes per row, the largest per row, bytes per layer whatever the rows, bytes per row
+        in 16-bit types). A mixture
+        of experts dispatches its tokens in a region of its own (`minigpt.parallel.experts`)
+        that keeps copies of the experts' weights for the backward: traced with one row and
+        with two, as the step runs it (its batch split over a mesh axis, here of one device)."""
+        key = ("block", split, T)
+        if key not in self._cache:
+            if not self.cfg.num_experts:
+                saved, largest, narrow = self._trace(split, T, attention_only=False)
+                self._cache[key] = (saved, largest, 0, narrow)
+            else:
+                mesh = jax.sharding.AbstractMesh((1,), ("data",))
+                with jax.sharding.use_abstract_mesh(mesh), \
+                        sharding.running(rules=(("batch", "data"),)):
+                    (one, largest, narrow), (two, _, _) = (
+                        self._trace(split, T, attention_only=False, rows=rows) for rows in (1, 2))
+                self._cache[key] = (two - one, largest, max(2 * one - two, 0), narrow)
+        return self._cache[key]
+
+    def _attention(self, split: Split, T: int) -> tuple[int, int, int]:
+        key = ("attention", split, T)
+        if key not in self._cache:
+            self._cache[key] = self._trace(split, T, attention_only=True)
+        return self._cache[key]
+
+    def _local(self, state, split: Split):
+        """A layer's weights (the stacked axis dropped) as one device computes with them."""
+        cfg = self.cfg
+        ways = {"heads": cfg.num_heads // split.heads, "kv_heads": cfg.kv_heads // split.kv_heads,
+                "mlp": cfg.expert_dim // split.mlp}
+
+        def one(var):
+            axes = var.get_metadata().get("out_sharding") or ()
+            shape = [d // ways.get(a, 1) for d, a in zip(var.shape, axes)][1:]
+            return var.replace(jax.ShapeDtypeStruct(tuple(shape), var.dtype))
+
+        return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def _trace(self, split: Split, T: int, *, attention_only: bool,
+               rows: int = 1) -> tuple[int, int, int]:
+        """(residual bytes, the largest of them, those in 16-bit types) of a layer (of `rows`
+        rows), or of its attention."""
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        with sharding.running(kernels=self.kernels):
+            if attention_only:
+                H = cfg.head_dim
+                args = (jax.ShapeDtypeStruct((1, T, split.heads, H), dtype),
+                        *[jax.ShapeDtypeStruct((1, T, split.kv_heads, H), dtype)] * 2)
+                segments = jax.ShapeDtypeStruct((1, T), jnp.int32) if self.documents else None
+                return _residuals(kernel_sets.active().causal_attention, args, (segments,),
+                                  weights=False)
+            x = jax.ShapeDtypeStruct((rows, T, cfg.embed_dim), dtype)
+            keys = jax.ShapeDtypeStruct((rows, T), jax.random.key(0).dtype) if self.dropping \
+                else None
+            segments = jax.ShapeDtypeStruct((rows, T), jnp.int32) if self.documents else None
+            graphdef = self.graphdef
+
+            def layer(trained, x, frozen, keys, segments):
+                block = nnx.merge(graphdef, trained, frozen)
+                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
+                with lora.dropout_keys(keys):
+                    return block(x, positions, None, keys, segments)[0]
+
+            return _residuals(layer, (self._local(self.trained, split), x),
+                              (self._local(self.frozen, split), keys, segments), weights=True)
+
+
+def _residuals(fn, args: tuple, consts: tuple, *, weights: bool) -> tuple[int, int, int]:
+    """(bytes, largest, bytes in 16-bit types) of the residuals of fn(*args, *consts)'s VJP
+    with respect to `args` that its backward reads; with `weights`, args[0] and consts[0] are
+    the layer's weights (trained and frozen), held anyway and not counted."""
+    treedef = {}
+
+    def forward(args, consts):
+        _, pull = jax.vjp(lambda *a: fn(*a, *consts), *args)
+        leaves, treedef["pull"] = jax.tree.flatten(pull)
+        return leaves
+
+    fwd = jax.make_jaxpr(forward)(args, consts)
+    outs = fwd.jaxpr.outvars
+
+    def backward(leaves, g):
+        return jax.tree.unflatten(treedef["pull"], leaves)(g)
+
+    bwd = jax.make_jaxpr(backward)([jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                    for v in outs], jax.eval_shape(fn, *args, *consts))
+    if dce_jaxpr is not None:
+        _, used = dce_jaxpr(bwd.jaxpr, [True] * len(bwd.jaxpr.outvars))
+    else:  # pragma: no cover
+        used = [True] * len(bwd.jaxpr.invars)
+    held = set()
+    if weights:  # the invars are args' leaves, then consts' leaves
+        n_args, n_trained = len(jax.tree.leaves(args)), len(jax.tree.leaves(args[0]))
+        invars = fwd.jaxpr.invars
+        held = {id(v) for v in invars[:n_trained]} | {
+            id(v) for v in invars[n_args:n_args + len(jax.tree.leaves(consts[0]))]}
+    seen, total, largest, narrow = set(), 0, 0, 0
+    for var, read in zip(outs, used):
+        if not read or not hasattr(var, "aval") or id(var) in held or id(var) in seen:
+            continue
+        seen.add(id(var))
+        size = math.prod(var.aval.shape) * var.aval.dtype.itemsize
+        total, largest = total + size, max(largest, size)
+        narrow += size if var.aval.dtype.itemsize == 2 else 0
+    return total, largest, narrow

@@ -1,0 +1,165 @@
+"""The planner: `python -m minigpt.plan --json` keeps its contract and refuses presets in the
+trainer's own words; parameter and optimizer bytes are those the devices hold; a plan compiles
+nothing; `--preset auto` trains with a preset that fits and refuses, writing nothing, where none
+does; and (slow) the plan agrees with what XLA allocates for the real step."""
+
+import json
+import time
+
+import jax
+import jax.monitoring
+import pytest
+from flax import nnx
+
+import minigpt.train.adapters as adapters
+from minigpt import plan, sharding, train
+from minigpt.config import ConfigError, TrainConfig
+from minigpt.models import get_config
+from minigpt.plan import cli
+from minigpt.train import trainer
+
+SMALL = dict(batch_size=16, seq_len=32)
+FLAGS = ["--batch-size", "16", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def contract():
+    """What `python -m minigpt.plan --json` prints for minigpt-tiny on the 8 devices."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["--model", "minigpt-tiny", *FLAGS, "--device-memory", "1GiB",
+                         "--json"])
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+def test_the_json_is_one_object_per_preset_in_integers(contract):
+    assert [o["preset"] for o in contract] == sharding.available_presets()
+    for o in contract:
+        assert set(o) == {"preset", "applies", "why", "fits", "bytes"}
+        parts = o["bytes"]
+        assert set(parts) == {"parameters", "gradients", "optimizer", "activations", "total"}
+        assert all(type(v) is int and v >= 0 for v in parts.values())
+        if o["applies"]:
+            assert o["why"] == "" and parts["total"] == sum(
+                v for k, v in parts.items() if k != "total")
+            assert o["fits"] == (parts["total"] <= 0.9 * 2**30)
+        else:
+            assert o["why"] and not o["fits"] and parts["total"] == 0
+    fsdp = next(o for o in contract if o["preset"] == "fsdp")["bytes"]
+    dp = next(o for o in contract if o["preset"] == "dp")["bytes"]
+    assert fsdp["parameters"] * 8 == dp["parameters"] and fsdp["total"] < dp["total"]
+
+
+@pytest.mark.parametrize("name", ["pp", "pp_tp"])
+def test_a_preset_that_does_not_apply_says_what_the_trainer_says(contract, name, tmp_path):
+    row = next(o for o in contract if o["preset"] == name)
+    cfg = TrainConfig(model="minigpt-tiny", preset=name, out=str(tmp_path / "run"), **SMALL)
+    with pytest.raises(sharding.PresetError) as refused:
+        trainer.check_request(get_config("minigpt-tiny"), cfg, resume=False)
+    assert not row["applies"] and row["why"] == str(refused.value)
+    assert "2 layer(s)" in row["why"]
+
+
+def _held_by(tree, device) -> int:
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree)
+               for shard in leaf.addressable_shards if shard.device == device)
+
+
+@pytest.mark.parametrize("name, rank", [("fsdp", 0), ("fsdp_tp", 8)])
+def test_parameter_and_optimizer_bytes_are_what_each_device_holds(name, rank):
+    cfg = get_config("llama-tiny")
+    train_cfg = TrainConfig(model="llama-tiny", lora_rank=rank, **SMALL)
+    estimate = plan.estimate(cfg, train_cfg, name, 8)
+    preset = sharding.load_preset(name)
+    model, optimizer = sharding.create_sharded(lambda: adapters.build(cfg, train_cfg), preset,
+                                               sharding.make_mesh(preset))
+    for device in jax.devices():
+        assert estimate.memory.parameters == _held_by(nnx.state(model, nnx.Param), device)
+        assert estimate.memory.optimizer == _held_by(nnx.state(optimizer), device)
+    trained = nnx.state(model, nnx.LoRAParam if rank else nnx.Param)
+    assert estimate.memory.gradients == _held_by(trained, jax.devices()[0])
+
+
+def test_a_plan_compiles_nothing_and_takes_under_a_second():
+    compiled = []
+
+    def listen(event, seconds, **_):
+        if event.endswith("backend_compile_duration"):
+            compiled.append(event)
+
+    cfg = get_config("minigpt")
+    plan.plan_all(get_config("llama-tiny"), TrainConfig(model="llama-tiny"), 8)  # warm jax up
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        start = time.perf_counter()
+        estimates = plan.plan_all(cfg, TrainConfig(model="minigpt"), 8)
+        seconds = time.perf_counter() - start
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled == []
+    assert len(estimates) == len(sharding.available_presets())
+    assert seconds < 3.0  # under a second on an idle machine; shared CI machines are slower
+
+
+def test_sizes_read_as_people_write_them():
+    assert plan.parse_size("16GiB") == 16 * 2**30 and plan.parse_size("80GB") == 80 * 10**9
+    assert plan.parse_size("512 MiB") == 512 * 2**20 and plan.parse_size("1234") == 1234
+    with pytest.raises(ConfigError, match="16GiB"):
+        plan.parse_size("lots")
+
+
+def _auto_args(data_dir, out, memory: int) -> list[str]:
+    return ["--preset", "auto", "--device-memory", str(memory), "--model", "minigpt-tiny",
+            "--data", str(data_dir), "--steps", "2", "--batch-size", "16", "--seq-len", "32",
+            "--out", str(out), "--no-sample", "--set", "eval_batches=1", "--set",
+            "warmup_steps=1"]
+
+
+def test_auto_picks_a_preset_that_fits_where_dp_does_not_and_trains(data_dir, tmp_path,
+                                                                      capsys):
+    plans = {e.preset: e for e in plan.plan_all(get_config("minigpt-tiny"), TrainConfig(
+        model="minigpt-tiny", **SMALL), 8)}
+    # between what fsdp needs and what dp needs, the headroom left free
+    memory = int((plans["fsdp"].total + plans["dp"].total) / 2 / (1 - plan.HEADROOM))
+    assert plans["fsdp"].total < plans["dp"].total
+    out = tmp_path / "auto"
+    assert train.main(_auto_args(data_dir, out, memory)) == 0
+    printed = capsys.readouterr().out
+    saved = json.loads((out / "config.json").read_text())
+    chosen = saved["train"]["preset"]
+    assert chosen != "dp" and plans[chosen].total <= (1 - plan.HEADROOM) * memory
+    assert saved["preset_choice"]["by"] == "auto" and saved["preset_choice"]["preset"] == chosen
+    assert printed.splitlines()[0].startswith(f"preset auto: {chosen} (")
+    assert "runner-up" in printed.splitlines()[0]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
+
+
+def test_auto_refuses_in_one_line_where_nothing_fits_and_writes_nothing(data_dir, tmp_path,
+                                                                         capsys):
+    out = tmp_path / "none"
+    assert train.main(_auto_args(data_dir, out, 2**20)) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and error.startswith("error: preset auto: no preset fits")
+    assert "needs" in error and "would help most" in error
+    assert not out.exists()
+
+
+# A handful of families and presets, tiny shapes: the plan within 15% of XLA's figure.
+COMPILED = [("minigpt-tiny", "dp", []), ("llama-tiny", "fsdp_tp", []),
+            ("gpt2-tiny", "cp", []), ("minigpt-tiny8", "dp_pp", []),
+            ("llama-tiny", "fsdp", ["--set", "model.remat=true", "--set", "train.lora_rank=4"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, name, extra", COMPILED)
+def test_the_plan_is_within_15_percent_of_what_xla_allocates(model, name, extra, capsys):
+    code = cli.main(["--model", model, "--preset", name, *FLAGS, "--device-memory", "1GiB",
+                     "--compile", "--json", *extra])
+    assert code == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["applies"] and row["compiled_total"] > 0
+    assert 0.85 <= row["bytes"]["total"] / row["compiled_total"] <= 1.15

@@ -27,15 +27,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from minigpt import CallableModule, sharding
+from minigpt import CallableModule, chat_template, sharding
 from minigpt.models import DecoderLM
 from minigpt.models.sampling import decode, stream_tokens, to_host
-from minigpt.runs import LOAD_ERRORS, load_run
+from minigpt.runs import LOAD_ERRORS, RunDir, load_run
 from minigpt.runtime import plain_warnings, relaunch_with_huge_pages, set_simulated_devices
+from minigpt.tokenizer import load_tokenizer
 
 
 class GenerationError(ValueError):
     """A request the model cannot serve (prompt too long, bad sampling values, bad run)."""
+
+
+# Temperatures below this decode greedily, as 0 does: sampling at them already picks the
+# likeliest token (ahead by more than float32 logits resolve), and dividing logits by a far
+# smaller one overflows to inf, which would sample garbage instead.
+GREEDY_BELOW = 1e-6
 
 
 def window_keep(context: int) -> int:
@@ -87,6 +94,7 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
     loop per window, the first sized to the request, the later ones compiled once.
     """
     context = model.config.context_len
+    temperature = 0.0 if 0 <= temperature < GREEDY_BELOW else temperature
     check_request(context, [len(p) for p in prompts], max_new_tokens=max_new_tokens,
                   temperature=temperature, top_k=top_k, top_p=top_p, has_rng=rng is not None)
     stops = tuple(stop_ids) or (() if eot_id is None else (eot_id,))
@@ -187,7 +195,8 @@ def chat(model: DecoderLM, tokenizer, messages: Sequence[dict[str, str]], *,
     "assistant", "content": ...}) rendered by its chat template as transformers'
     `apply_chat_template(..., add_generation_prompt=True)` renders them, then generated until an
     end-of-turn token; only the reply is returned (and streamed to `on_text`)."""
-    prompt = tokenizer.encode_ordinary(tokenizer.render_chat(list(messages)))
+    prompt = tokenizer.encode_ordinary(tokenizer.render_chat(
+        list(messages), max_chars=model.config.context_len * chat_template.CHARS_PER_TOKEN))
     on_token = None if on_text is None else _TextStream(tokenizer, [], on_text)
     new = generate_tokens(model, [prompt], max_new_tokens=max_new_tokens,
                           temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
@@ -231,7 +240,7 @@ def load_for_generation(run: str | Path, preset_name: str = "dp"):
     return loaded.model, loaded.tokenizer, loaded.preset, loaded.mesh, loaded.step
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minigpt.generate",
                                 description="Tell stories from a run's latest checkpoint, or "
                                             "chat with an imported instruct model.",
@@ -243,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                      "template and print only its reply")
     p.add_argument("--system", metavar="MESSAGE", help="a system message before --chat's")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help=f"0 (or below {GREEDY_BELOW:g}) for greedy decoding")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample among the k likeliest (0, or the vocabulary size or more: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
@@ -251,9 +261,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--preset", default="dp", help="how to lay the model out on the devices")
     p.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.system is not None and args.chat is None:
         p.error("--system goes with --chat")
+    if args.chat is not None and not args.chat.strip():
+        print("error: --chat needs a message, and it is empty: give the words to send (or "
+              "--prompt TEXT to continue a text)", file=sys.stderr)
+        return 2
     if args.devices:
         set_simulated_devices(args.devices)
     try:
@@ -271,15 +290,20 @@ def _tell(args: argparse.Namespace) -> None:
     if not 0 <= args.seed < 2**32 or args.num_samples < 1:
         raise GenerationError(f"need 0 <= --seed < 2^32 and --num-samples >= 1 (got "
                               f"{args.seed} and {args.num_samples})")
-    loaded = load_run(args.run, args.preset)
-    model, tokenizer, step = loaded.model, loaded.tokenizer, loaded.step
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    # The request is checked against the run's config and tokenizer (its chat template
+    # rendered, bounded) before any weights are loaded.
+    cfg = RunDir(args.run).read().model
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages.append({"role": "user", "content": args.chat})
-    prompt = (tokenizer.encode_ordinary(tokenizer.render_chat(messages)) if args.chat
-              else tokenizer.encode_prompt(args.prompt))
-    check_request(model.config.context_len, [len(prompt)], max_new_tokens=args.max_new_tokens,
+    chars = cfg.context_len * chat_template.CHARS_PER_TOKEN  # what a context can hold
+    prompt = (tokenizer.encode_ordinary(tokenizer.render_chat(messages, max_chars=chars))
+              if args.chat is not None else tokenizer.encode_prompt(args.prompt))
+    check_request(cfg.context_len, [len(prompt)], max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   has_rng=True)
+    loaded = load_run(args.run, args.preset)
+    model, tokenizer, step = loaded.model, loaded.tokenizer, loaded.step
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p)
     stream = args.num_samples == 1
@@ -302,5 +326,12 @@ def _tell(args: argparse.Namespace) -> None:
 sys.modules[__name__].__class__ = CallableModule  # minigpt.generate(...) calls generate(...)
 
 if __name__ == "__main__":
+    # A run that is not there is refused before the process restarts itself with huge pages
+    # (which would import everything a second time to say the same).
+    run = Path(_parser().parse_args().run)
+    if not (run / "config.json").is_file():
+        print(f"error: {run} is not a run directory (no config.json): give the --out of a "
+              f"training run, or the --out of python -m minigpt.hub import", file=sys.stderr)
+        sys.exit(2)
     relaunch_with_huge_pages()
     sys.exit(main())

@@ -10,9 +10,9 @@
     <run>/damaged-checkpoints/ checkpoints a resume could not read, moved aside unchanged
     <run>/vocabulary.tiktoken  an imported vocabulary, when the run has one
 
-`RunDir` names those paths and reads and writes config.json (`SavedRun`); `resume_configs`
-holds the rules for whether a command line may resume a run; `load_run` restores a run's latest
-weights for generation or export (`LoadedRun`). Problems with a run directory raise `RunError`,
+`RunDir` names those paths and reads and writes config.json (`SavedRun`); `load_run` restores a
+run's latest weights for generation or export (`LoadedRun`); whether a command line may resume a
+run is `minigpt.train.resuming`'s to say. Problems with a run directory raise `RunError`,
 whose message says what to do.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import typing
 import warnings
@@ -30,10 +31,16 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt import sharding
+from minigpt import chat_template, runtime, sharding
 from minigpt.checkpoint import Checkpointer, CheckpointError, has_checkpoint
-from minigpt.config import EXECUTION_FIELDS, ConfigError, ModelConfig, TrainConfig, field_types
-from minigpt.files import write_text_atomic
+from minigpt.config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    check_value,
+    field_types,
+)
+from minigpt.files import read_json_object, write_text_atomic
 from minigpt.models import DecoderLM, build_model, lora
 from minigpt.tokenizer import Encoding, TokenizerError, load_tokenizer
 
@@ -44,12 +51,7 @@ TENSORBOARD = "tensorboard"
 LOSS_PLOT = "loss.png"
 LOCK = "trainer.lock"
 DAMAGED = "damaged-checkpoints"
-VOCABULARY = "vocabulary.tiktoken"  # an imported vocabulary (converted by earlier versions)
-
-# Train fields that say which run this is: a resumed run keeps them.
-IDENTITY_FIELDS = ("data", "seed", "recipe", "init_from", "optimizer", "lora_rank", "lora_alpha",
-                   "lora_targets")
-
+MAX_DEVICES = 1 << 16  # devices a run's record may say it used (a resume simulates as many)
 
 class RunError(ConfigError):
     """A run directory is missing, damaged, or not what the request needs; the message says what
@@ -126,18 +128,18 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise RunError(f"{self.path} is not a run directory (one trained here, or made by "
                            f"python -m minigpt.hub import): it is a file")
+        missing = f"{path} does not exist: is this a minigpt run directory?"
         try:
-            payload = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise RunError(f"{path} does not exist: is this a minigpt run directory?") from None
-        except (OSError, ValueError) as error:
-            raise RunError(f"{path} is not valid JSON ({error}); the run directory is "
-                           f"damaged") from None
-        if isinstance(payload, dict) and ("model_type" in payload or "architectures" in payload):
+            payload = read_json_object(path, RunError, missing=missing,
+                                       kind="a minigpt run config (a JSON object)")
+        except RunError as error:
+            damaged = "" if str(error) == missing else "; the run directory is damaged"
+            raise RunError(f"{error}{damaged}") from None
+        if "model_type" in payload or "architectures" in payload:
             raise RunError(f"{self.path} is a Hugging Face model folder, not a minigpt run: "
                            f"import it first with python -m minigpt.hub import {self.path} "
                            f"--out RUN")
-        if not isinstance(payload, dict) or not isinstance(payload.get("model"), dict):
+        if not isinstance(payload.get("model"), dict):
             raise RunError(f"{path} is not a minigpt run config (no model section)")
         model = dict(payload.pop("model"))
         # Runs from before models named their tokenizer recorded only the data's.
@@ -149,12 +151,17 @@ class RunDir:
                 not Path(tokenizer).is_absolute():
             model["tokenizer"] = str((self.path / tokenizer).absolute())
         train = payload.pop("train", None)
+        if isinstance(train, dict):  # runs from before documents were kept apart mixed them
+            train.setdefault("document_mask", False)
         try:
             model_cfg = _built(ModelConfig, model)
             train_cfg = None if train is None else _built(TrainConfig, train)
+            _check_record(payload)
+            saved = SavedRun(model=model_cfg, train=train_cfg, record=payload)
+            saved.adapters  # noqa: B018 - checked here, with the rest of the file
         except ConfigError as error:
             raise RunError(f"{path}: {error}") from None
-        return SavedRun(model=model_cfg, train=train_cfg, record=payload)
+        return saved
 
     def write(self, model: ModelConfig, train: TrainConfig | None, **record: Any) -> None:
         """Write config.json atomically (a crash mid-write never leaves a broken run directory).
@@ -167,13 +174,38 @@ class RunDir:
             model_fields["tokenizer"] = tokenizer.name
         payload = {"model": model_fields,
                    **({"train": dataclasses.asdict(train)} if train else {}), **record}
-        write_text_atomic(self.config_file, json.dumps(payload, indent=2) + "\n")
+        # allow_nan=False: every value was checked finite; this keeps the file JSON regardless.
+        write_text_atomic(self.config_file, json.dumps(payload, indent=2, allow_nan=False) + "\n")
 
 
 def _held(run: Path, tokenizer: str) -> bool:
     """Whether a tokenizer name means a file or folder inside the run directory."""
     return (tokenizer.endswith(".tiktoken") and (run / tokenizer).is_file()) or (
         (run / tokenizer / "tokenizer.json").is_file())
+
+
+def _check_record(record: dict[str, Any]) -> None:
+    """The fields config.json records beside the configs, type-checked as the configs' own
+    are (ConfigError naming the field) before anything reads them: names are text, the devices
+    a run used are counted in integers (a resume simulates as many), a time budget's record
+    holds finite numbers. Fields minigpt does not read are left as they are."""
+    for key in ("devices", "imported", "adapters", "time_budget"):
+        if record.get(key) is not None and not isinstance(record[key], dict):
+            raise ConfigError(f"{key} must be an object, got {json.dumps(record[key])[:60]}")
+    devices, imported = record.get("devices") or {}, record.get("imported") or {}
+    checks = [*((key, str, record.get(key)) for key in ("preset", "tokenizer", "data_dir")),
+              *((f"devices.{key}", kind, devices.get(key))
+                for key, kind in (("platform", str), ("count", int), ("processes", int))),
+              *((f"imported.{key}", str, imported.get(key))
+                for key in ("source", "directory", "base", "revision"))]
+    for key, entry in (record.get("time_budget") or {}).items():
+        for name, number in (entry.items() if isinstance(entry, dict) else [("", entry)]):
+            checks.append((f"time_budget.{key}.{name}".rstrip("."), float, number))
+    for where, kind, value in checks:
+        if value is not None:
+            check_value(where, kind, value)
+    if not 1 <= devices.get("count", 1) <= MAX_DEVICES or devices.get("processes", 1) < 1:
+        raise ConfigError(f"devices must be 1 to {MAX_DEVICES} in 1 or more processes: {devices}")
 
 
 def _built(cls, values: dict[str, Any]):
@@ -196,6 +228,10 @@ def check_start(out: str | Path, *, resume: bool, init_from: str = "") -> None:
         raise RunError(f"--out {out} is a file, not a directory: choose another --out")
     for path, folder in ((run.checkpoints, True), (run.tensorboard, True), (run.damaged, True),
                          (run.config_file, False), (run.metrics, False)):
+        if path.is_symlink() and folder:  # a trainer writes, moves and deletes in it
+            raise RunError(f"{path} is a link (to {os.readlink(path)}), but a run keeps its own "
+                           f"{path.name} folder: training would write and delete files where "
+                           f"it points. Replace the link with the folder itself, then train")
         if path.exists() and path.is_dir() != folder:
             raise RunError(f"{path} should be a {'folder' if folder else 'file'} of the run, "
                            f"but is not: move it out of {out}, then train again")
@@ -224,59 +260,6 @@ def keep_vocabulary(name: str, source_run: Path, run: Path) -> str:
         if file.is_file():
             shutil.copy2(file, run / file.name)
     return str((run / path.name).absolute())
-
-
-# --- resuming -----------------------------------------------------------------------------
-
-def resume_configs(run: RunDir, wanted: ModelConfig | None, says: dict[str, Any],
-                   model_changes: dict[str, Any]) -> tuple[ModelConfig, TrainConfig]:
-    """The configs a resumed run goes on with, after checking the command line against it.
-
-    `wanted` is the model the command line describes, resolved as for a new run (None: it names
-    none, so the saved one); `says` the train fields it gives; `model_changes` its `--set
-    model.*` changes. What the command line says the run *is* (the model, apart from how it runs:
-    dtype, remat, scan, kernels; and the identity fields: data, seed, recipe, init_from,
-    optimizer) must agree with the saved run, or RunError names the differences. What it says
-    about how to go on applies. A time budget the run already turned into a step count is the
-    same budget, not a new one.
-    """
-    saved = run.read()
-    if saved.train is None:
-        raise RunError(f"{run.path} holds imported weights, not a training run: start training "
-                       f"from them with --init-from {run.path} --out NEW")
-    wanted = dataclasses.replace(wanted or saved.model, **model_changes)
-    _refuse_differences(run, "model", {
-        f.name: (getattr(saved.model, f.name), getattr(wanted, f.name))
-        for f in dataclasses.fields(ModelConfig) if f.name not in EXECUTION_FIELDS})
-    _refuse_differences(run, "run", {name: (getattr(saved.train, name), says[name])
-                                     for name in IDENTITY_FIELDS if name in says})
-    says = _settle_time_budget(run, saved, says)
-    model_cfg = dataclasses.replace(saved.model, **{
-        k: v for k, v in model_changes.items() if k in EXECUTION_FIELDS})
-    return model_cfg, dataclasses.replace(saved.train, **says)
-
-
-def _refuse_differences(run: RunDir, what: str, pairs: dict[str, tuple[Any, Any]]) -> None:
-    differing = {name: pair for name, pair in pairs.items() if pair[0] != pair[1]}
-    if differing:
-        details = ", ".join(f"{name}: {old!r} -> {new!r}"
-                            for name, (old, new) in differing.items())
-        raise RunError(f"cannot resume {run.path} as a different {what} ({details}); drop those "
-                       f"options or train into a new --out")
-
-
-def _settle_time_budget(run: RunDir, saved: SavedRun, says: dict[str, Any]) -> dict[str, Any]:
-    """A budget the saved run already turned into steps is the same budget, not a new one."""
-    budget = says.get("time_budget")
-    if not budget or saved.train.time_budget:  # none asked, or not yet decided: as given
-        return says
-    record = saved.record.get("time_budget") or {}
-    if record.get("seconds") == budget:
-        return {k: v for k, v in says.items() if k != "time_budget"}
-    decided = (f"trained under a time budget of {record['seconds']:g} s, which fixed it at "
-               f"{saved.train.steps} steps" if record else "trained without a time budget")
-    raise RunError(f"{run.path} was {decided}: to train it further give --steps N instead of "
-                   f"--time-budget")
 
 
 # --- loading the latest weights -----------------------------------------------------------
@@ -317,6 +300,9 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
         raise RunError(
             f"{directory.path} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
             f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
+    template = saved.record.get("chat_template")  # a zoo vocabulary fine-tuned on chats
+    if isinstance(template, str):
+        tokenizer = chat_template.with_template(tokenizer, template)[0]
     if not directory.checkpoints.is_dir():
         raise RunError(f"{directory.path} holds no checkpoints/ directory: train it first")
     checkpointer = Checkpointer(directory.checkpoints, read_only=True)
@@ -332,6 +318,10 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
             return model if adapters is None else lora.attach(model, adapters,
                                                               key=jax.random.key(0))
 
+        runtime.check_fits(layout, mesh, [nnx.state(nnx.eval_shape(build))],
+                           what=f"the model {directory.config_file} describes ({cfg.arch}, "
+                                f"{cfg.num_layers} layers of width {cfg.embed_dim})",
+                           hint="is the file the run was trained with?")
         model = sharding.create_sharded(build, layout, mesh)
         restored = checkpointer.restore(model)
     finally:
@@ -346,4 +336,4 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
 
 
 # What a caller of `load_run` may be told, besides RunError.
-LOAD_ERRORS = (RunError, CheckpointError, TokenizerError, sharding.PresetError)
+LOAD_ERRORS = (ConfigError, CheckpointError, TokenizerError, sharding.PresetError)

@@ -10,12 +10,16 @@
   `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. XLA's CPU backend allocates every large temporary
   buffer afresh on each step; with ordinary 4 KiB pages the kernel then spends much of the step
   zero-filling pages on first touch. Transparent huge pages cut that cost 512-fold: a CPU train
-  step of `minigpt` runs 15-25% faster (bench/RESULTS.md). The restarted process says so once,
-  on stderr. It restarts only where that changes something: not for `--help`, not where the
-  kernel's transparent huge pages are off, not with an accelerator attached (the steps do not
+  step of `minigpt` runs 15-25% faster (bench/RESULTS.md). A trainer in the restarted process
+  says so once, among its first lines (`huge_pages_note`); errors and help say nothing of it.
+  It restarts only where that changes something: not for `--help`, not where the kernel's
+  transparent huge pages are off, not with an accelerator attached (the steps do not
   run on the CPU there). `MINIGPT_HUGE_PAGES=0` turns it off; setting GLIBC_TUNABLES yourself,
   to anything, leaves your setting alone.
 - `has_accelerator()`: whether a GPU or TPU is attached, asked without starting JAX.
+- `device_memory()`, `check_fits(...)`: the bytes one device may hold, and the refusal of a
+  model (or adapters, or optimizer) whose weights alone exceed them, before anything is
+  allocated.
 - `plain_warnings()`: inside it, a Python warning reaches the user as one line on stderr,
   `warning: ...`, not with the source line that raised it (every command line runs in it).
 """
@@ -31,8 +35,14 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
+
+from minigpt.config import ConfigError
+
+if TYPE_CHECKING:
+    from minigpt.sharding import Preset
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 TRANSPARENT_HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -55,6 +65,42 @@ def set_simulated_devices(count: int) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+def device_memory() -> int | None:
+    """Bytes one device may hold: an accelerator's own memory (its allocator's limit), or on
+    the CPU the machine's physical memory shared by its (simulated) devices; None where it
+    cannot be told."""
+    devices = jax.local_devices()
+    if devices[0].platform != "cpu":
+        limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+        if all(limits):
+            return min(limits)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that says
+        return None
+    return total // len(devices)
+
+
+def check_fits(preset: Preset, mesh, states: list, *, what: str, hint: str) -> None:
+    """Refuse (ConfigError, one line) what cannot fit the devices, from shapes alone, before
+    anything is allocated: the bytes one device holds of `states` (abstract NNX states: the
+    weights, and for training their gradients and the optimizer's state) laid out by `preset`,
+    against a device's memory (`device_memory`). A lower bound of what a run needs:
+    the activations of a step come on top (`minigpt.plan` estimates those); this catches a
+    size no machine can hold (a rank of a billion, a width from a damaged file) before JAX
+    tries to allocate it."""
+    from minigpt import sharding  # the layout's bytes per device; it imports nothing of ours
+
+    have = device_memory()
+    need = sum(row["bytes_per_device"] for state in states
+               for row in sharding.describe(preset, mesh, state))
+    if have is not None and need > have:
+        raise ConfigError(f"{what} needs {need / 2**30:,.1f} GiB on each device under preset "
+                          f"{preset.name} for its weights{' and optimizer' * (len(states) > 1)} "
+                          f"alone, more than a device here has ({have / 2**30:,.1f} GiB): "
+                          f"{hint}")
+
+
 def join_job(coordinator: str | None = None, num_processes: int | None = None,
              process_id: int | None = None) -> None:
     """Join a multi-process job: `jax.distributed.initialize` with what is given, the rest read
@@ -67,13 +113,15 @@ def join_job(coordinator: str | None = None, num_processes: int | None = None,
                                process_id=process_id)
 
 
+_relaunched = []  # [True] in a process restarted with huge pages, until the note is taken
+
+
 def relaunch_with_huge_pages() -> None:
-    """Replace this process by the same command with huge pages for malloc (see above); in the
-    restarted process, say that it happened."""
+    """Replace this process by the same command with huge pages for malloc (see above); the
+    restarted process remembers it (`huge_pages_note`) and says nothing yet: a command that
+    then fails, or prints its help, should not talk about memory pages."""
     if os.environ.pop(_RELAUNCHED, None):
-        print(f"note: restarted with huge pages for malloc (GLIBC_TUNABLES={HUGE_PAGES}), which "
-              f"makes CPU steps 15-25% faster; MINIGPT_HUGE_PAGES=0 turns this off",
-              file=sys.stderr, flush=True)
+        _relaunched.append(True)
         return
     libc, version = platform.libc_ver()
     if (sys.platform != "linux" or libc != "glibc" or "GLIBC_TUNABLES" in os.environ
@@ -86,6 +134,16 @@ def relaunch_with_huge_pages() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def huge_pages_note() -> str | None:
+    """Once, in a process restarted with huge pages: the line that says so (a trainer shows it
+    among its first lines); else None."""
+    if not _relaunched:
+        return None
+    _relaunched.clear()
+    return (f"note: restarted with huge pages for malloc (GLIBC_TUNABLES={HUGE_PAGES}), which "
+            f"makes CPU steps 15-25% faster; MINIGPT_HUGE_PAGES=0 turns this off")
 
 
 @contextlib.contextmanager

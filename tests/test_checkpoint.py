@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import minigpt
 from minigpt import generate, sharding, train
 from minigpt.checkpoint import Checkpointer, CheckpointError
 from minigpt.config import ModelConfig, TrainConfig
@@ -122,7 +123,8 @@ def test_a_run_written_before_the_stacked_layout_resumes_and_generates(
     records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert [r["step"] for r in records if "loss" in r][-2:] == [4, 5]
     assert all(np.isfinite(r["loss"]) for r in records if "loss" in r)
-    model, tokenizer, preset, mesh, _ = generate.load_for_generation(run, "dp")
+    loaded = minigpt.load_run(run, "dp")
+    model, tokenizer = loaded.model, loaded.tokenizer
     assert nnx.state(model, nnx.Param)["blocks"]["layers"]["mlp"]["up"]["kernel"].shape[0] == 2
     tokens = generate.generate_tokens(model, [tokenizer.encode("Once")], max_new_tokens=4,
                                       temperature=0)

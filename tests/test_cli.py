@@ -153,6 +153,8 @@ def test_a_recipe_run_keeps_its_shape_when_the_recipe_changes_it(tmp_path):
     (["--data", "other.txt"], "data: ('tinystories',) -> ('other.txt',)"),
     (["--seed", "3"], "seed: 0 -> 3"),
     (["--recipe", "stories-cpu"], "arch: 'minigpt' -> 'llama'"),
+    (["--set", "model.num_kv_heads=4"],
+     "num_kv_heads: 0 (as many as the query heads) -> 4"),
     (["--time-budget", "5m"], "trained without a time budget: to train it further give --steps"),
 ])
 def test_real_differences_are_refused_by_name(tmp_path, argv, named):

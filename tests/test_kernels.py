@@ -14,14 +14,13 @@ from flax import nnx
 from minigpt.config import ConfigError
 from minigpt.models import build_model, get_config, kernels
 from minigpt.models.loss import _chunk_len, cross_entropy
-from minigpt.train import steps
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigpt"
 
 
 def loss_and_grads(cfg, batch):
     model = build_model(cfg, rngs=nnx.Rngs(1))
-    loss, grads = nnx.value_and_grad(steps.loss_fn)(model, batch)
+    loss, grads = nnx.value_and_grad(lambda m, b: m.loss(b))(model, batch)
     return float(loss), dict(nnx.to_flat_state(nnx.state(grads)))
 
 

@@ -187,7 +187,7 @@ def test_the_pipeline_differentiates_the_adapters_alone():
     with sharding.use_preset(preset, mesh, sharding.Pipeline(microbatches=4)):
         batch = sharding.put_batch(random_batch(DEEP.vocab_size, 16, 32),
                                    sharding.batch_sharding(preset, mesh))
-        grads = nnx.jit(nnx.grad(lambda m, b: steps.loss_fn(m, b, keys)))(model, batch)
+        grads = nnx.jit(nnx.grad(lambda m, b: m.loss(b, keys)))(model, batch)
     found = {key_names(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
     frozen = [k for k in found if lora.ADAPTER not in k]
     assert len(frozen) > 5 and all(not found[k].any() for k in frozen)

@@ -13,6 +13,7 @@ import pytest
 from conftest import losses, random_batch, tensorboard_scalars
 from flax import nnx
 
+import minigpt
 from minigpt import explain, generate, sharding, train
 from minigpt.config import TrainConfig
 from minigpt.models import build_model, count_params, get_config, kernels
@@ -341,10 +342,11 @@ def test_a_run_resumes_under_another_preset_exactly(config, straight, tmp_path):
     assert len(shares) == 4 and all(len(s) == 8 and math.isclose(sum(s), 1, rel_tol=1e-5)
                                     for s in shares)
     # Generation from the run: cached decoding under `ep` picks what it does without a mesh.
-    model, *_ = generate.load_for_generation(tmp_path / "moved", "dp")
+    model = minigpt.load_run(tmp_path / "moved", "dp").model
     plain = generate.generate_tokens(model, [[464, 3797]], max_new_tokens=6, temperature=0)
-    model, tokenizer, preset, mesh, _ = generate.load_for_generation(tmp_path / "moved", "ep")
-    with sharding.use_preset(preset, mesh):
+    run = minigpt.load_run(tmp_path / "moved", "ep")
+    model = run.model
+    with sharding.use_preset(run.preset, run.mesh):
         assert generate.generate_tokens(model, [[464, 3797]], max_new_tokens=6,
                                         temperature=0) == plain
 

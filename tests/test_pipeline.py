@@ -13,6 +13,7 @@ import pytest
 from conftest import losses, random_batch
 from flax import nnx
 
+import minigpt
 from minigpt import explain, generate, pipeline, sharding, train
 from minigpt.config import TrainConfig
 from minigpt.models import build_model, get_config
@@ -89,7 +90,7 @@ def loss_and_grads(preset_name: str, cfg, plan: sharding.Pipeline | None = None)
         preset, mesh, model, _ = on(preset_name, cfg, plan)
         keys = row_keys(jax.random.key(7), BATCH)
         with sharding.use_preset(preset, mesh, plan or sharding.Pipeline()):
-            loss, grads = nnx.jit(nnx.value_and_grad(lambda m, b: steps.loss_fn(m, b, keys)))(
+            loss, grads = nnx.jit(nnx.value_and_grad(lambda m, b: m.loss(b, keys)))(
                 model, placed(preset, mesh, cfg.vocab_size))
         found = as_host(nnx.state(grads))
         order = circular_order(mesh, cfg, plan)
@@ -381,11 +382,11 @@ def test_a_run_moves_between_pipelined_and_unpipelined_presets(config, straight,
     assert summary["step"] == 6 and summary["eval_loss"] is not None
     np.testing.assert_allclose(losses(config.out), uninterrupted, rtol=1e-5)
     # Generation under a pipeline preset, from what either layout wrote.
-    model, tokenizer, preset, mesh, _ = generate.load_for_generation(config.out, "pp")
-    with sharding.use_preset(preset, mesh):
-        piped = generate.generate_tokens(model, [[464, 3797]], max_new_tokens=6, temperature=0)
-    model, *_ = generate.load_for_generation(config.out, "dp")
-    assert piped == generate.generate_tokens(model, [[464, 3797]], max_new_tokens=6,
+    run = minigpt.load_run(config.out, "pp")
+    with sharding.use_preset(run.preset, run.mesh):
+        piped = generate.generate_tokens(run.model, [[464, 3797]], max_new_tokens=6, temperature=0)
+    plain = minigpt.load_run(config.out, "dp").model
+    assert piped == generate.generate_tokens(plain, [[464, 3797]], max_new_tokens=6,
                                              temperature=0)
 
 
@@ -416,7 +417,7 @@ def test_a_run_moves_between_schedules_and_presets_through_its_checkpoints(data_
     # the rate (3e-3) the other way; a slow run saw 7 of the 3,219,456 token-table entries do so.
     saved = {}
     for name in ("run", "straight"):
-        restored, *_ = generate.load_for_generation(tmp_path / name, "dp")
+        restored = minigpt.load_run(tmp_path / name, "dp").model
         saved[name] = as_host(nnx.state(restored, nnx.Param))
     for key, value in saved["straight"].items():
         moved = np.abs(saved["run"][key] - value) > 1e-3

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import losses
 
+import minigpt
 from minigpt import generate, train
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
@@ -70,7 +71,8 @@ def test_a_model_trains_and_tells_stories_with_the_tinystories_tokenizer(small_s
     assert saved["model"]["tokenizer"] == "tinystories-4k" and saved["model"]["vocab_size"] == 4096
     assert saved["tokenizer"] == "tinystories-4k"  # the data's, the same
     assert [p.name.endswith("-tinystories-4k") for p in (tmp_path / "data").iterdir()] == [True]
-    model, tokenizer, *_ = generate.load_for_generation(out)
+    loaded = minigpt.load_run(out)
+    model, tokenizer = loaded.model, loaded.tokenizer
     assert tokenizer is load_tokenizer("tinystories-4k") and model.config.vocab_size == 4096
     capsys.readouterr()
     assert generate.main(["--run", str(out), "--max-new-tokens", "8"]) == 0

@@ -17,6 +17,7 @@ import pytest
 from conftest import losses
 from flax import nnx
 
+import minigpt
 from minigpt import generate, train
 from minigpt.checkpoint import TEMPORARY_MARK, Checkpointer, CheckpointError
 from minigpt.config import ConfigError, TrainConfig
@@ -97,7 +98,7 @@ def test_generation_skips_a_garbled_latest_checkpoint_and_touches_nothing(config
     garble(checkpoints / "6")
     before = files_digest(checkpoints)
     with pytest.warns(UserWarning, match="checkpoint 6 of .* cannot be read .* using step 4"):
-        model, *_, step = generate.load_for_generation(config.out)
+        step = minigpt.load_run(config.out).step
     assert step == 4 and files_digest(checkpoints) == before
     capsys.readouterr()
     assert generate.main(["--run", config.out, "--max-new-tokens", "3"]) == 0
@@ -107,7 +108,7 @@ def test_generation_skips_a_garbled_latest_checkpoint_and_touches_nothing(config
     for name in ("4", "2"):
         garble(checkpoints / name)
     with pytest.raises(CheckpointError, match="no checkpoint in .* can be read .*step 6.*step 2"):
-        generate.load_for_generation(config.out)
+        minigpt.load_run(config.out)
 
 
 class _AbandonedRead:
@@ -159,7 +160,7 @@ def test_a_diverging_run_stops_at_once_and_keeps_its_last_good_checkpoint(config
         train.train(MODEL, cfg, sample=False)
     message = str(e.value)
     step = int(message.split(":")[0].removeprefix("step "))
-    assert step < 10 and "learning rate too high" in message and "--resume --lr 1000" in message
+    assert step < 10 and "learning rate too high" in message and "--resume --lr 0.001" in message
     records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
     assert records[-1]["step"] == step and not math.isfinite(records[-1]["loss"]
                                                              * records[-1]["grad_norm"])
@@ -176,6 +177,27 @@ def test_a_diverging_run_stops_at_once_and_keeps_its_last_good_checkpoint(config
     last_line = err.rstrip("\n").split("\n")[-1]  # after the progress bar's
     assert code == 3 and last_line.startswith("error: step ") and err.count("error:") == 1
     assert files_digest(Path(cfg.out) / "checkpoints") == before
+    # The command the message suggests goes on from the last good checkpoint, and trains.
+    assert train.main(hinted(message) + ["--no-sample"]) == 0
+    assert losses(cfg.out)[saved[-1]:] and all(map(math.isfinite, losses(cfg.out)))
+
+
+def hinted(message: str) -> list[str]:
+    """The arguments of the command an error message suggests."""
+    command = message.split("python -m minigpt.train ", 1)[1].split(" (", 1)[0]
+    return command.split()
+
+
+def test_a_run_that_diverges_before_saving_is_told_a_command_that_starts_it_again(config,
+                                                                                  capsys):
+    cfg = dataclasses.replace(config, steps=4, lr=1e4, warmup_steps=1, save_every=100)
+    with pytest.raises(metrics.TrainingDiverged) as e:
+        train.train(MODEL, cfg, sample=False)
+    message = str(e.value)
+    assert "no checkpoint was saved" in message and "starts again from step 0" in message
+    assert train.main(hinted(message) + ["--no-sample"]) == 0
+    assert "nothing of" in capsys.readouterr().out
+    assert len(losses(cfg.out)) == 4 and all(map(math.isfinite, losses(cfg.out)))
 
 
 def test_the_library_refuses_to_overwrite_a_run(config):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import losses, tensorboard_scalars
 
+import minigpt
 from minigpt import generate, train
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
@@ -197,7 +198,9 @@ def test_every_architecture_trains_resumes_and_tells_stories(config, tmp_path, n
     summary = train.train(model, dataclasses.replace(first, preset="dp", steps=4), resume=True,
                           sample=False)
     assert summary["step"] == 4 and len(losses(tmp_path / "run")) == 4
-    restored, tokenizer, preset, mesh, step = generate.load_for_generation(tmp_path / "run")
+    run = minigpt.load_run(tmp_path / "run")
+    restored, tokenizer, preset, mesh, step = (run.model, run.tokenizer, run.preset, run.mesh,
+                                               run.step)
     assert step == 4 and restored.config == model
     from minigpt import sharding
 

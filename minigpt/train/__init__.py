@@ -19,11 +19,34 @@ from typing import Any
 from minigpt import CallableModule
 
 
-def train(model_cfg, train_cfg, *, resume: bool = False, sample: bool = True) -> dict[str, Any]:
-    """Train (or, with `resume`, continue) a model of config `model_cfg` as `train_cfg` says;
-    returns a summary of the run (`minigpt.train.trainer.train`)."""
+def train(model_cfg=None, train_cfg=None, *, resume: bool = False,
+          sample: bool = True) -> dict[str, Any]:
+    """Train (or, with `resume`, continue) a model as `train_cfg` (a `TrainConfig`) says;
+    returns a summary of the run (`minigpt.train.trainer.train`).
+
+    The model is the zoo entry `train_cfg.model` names, or `model_cfg` (a `ModelConfig`: a zoo
+    entry changed, or one of your own); `minigpt.train(TrainConfig(...))` gives only the
+    first. Given both, a `model_cfg` of another architecture than the zoo entry the name
+    means is refused (ConfigError): the run would record one model and train another."""
+    from minigpt.config import ConfigError, ModelConfig, TrainConfig
+    from minigpt.models import CONFIGS
     from minigpt.train.trainer import train as run_training
 
+    if isinstance(model_cfg, TrainConfig) and train_cfg is None:
+        model_cfg, train_cfg = None, model_cfg
+    if train_cfg is None:
+        raise ConfigError("minigpt.train needs a TrainConfig: minigpt.train(TrainConfig(...)) "
+                          "or minigpt.train(model_config, TrainConfig(...))")
+    if model_cfg is None:
+        model_cfg = CONFIGS.get(train_cfg.model)
+        if model_cfg is None:
+            raise ConfigError(f"TrainConfig.model {train_cfg.model!r} is not a zoo model: give "
+                              f"its ModelConfig too, minigpt.train(model_config, train_config)")
+    zoo = CONFIGS.get(train_cfg.model)
+    if isinstance(model_cfg, ModelConfig) and zoo is not None and zoo.arch != model_cfg.arch:
+        raise ConfigError(f"TrainConfig.model is {train_cfg.model!r} (a {zoo.arch} model) but "
+                          f"the ModelConfig given is a {model_cfg.arch} model: name the model "
+                          f"you train, or give only the TrainConfig")
     return run_training(model_cfg, train_cfg, resume=resume, sample=sample)
 
 

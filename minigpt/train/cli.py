@@ -5,7 +5,7 @@ A new run starts from the defaults, then the recipe (if any), then the flags, th
 A resumed run (`--resume`) starts from what its config.json saved. The command line may be the
 one that started the run with `--resume` added (people press the up arrow): what it says about
 *what the run is* is resolved as for a new run and checked against the saved run, and what it
-says about *how to go on* applies (the rules are `minigpt.runs.resume_configs`). A run trained
+says about *how to go on* applies (the rules are `minigpt.train.resuming`). A run trained
 on simulated devices resumes on as many unless `--devices` says otherwise.
 """
 
@@ -29,14 +29,17 @@ from minigpt.config import (
     TrainConfig,
 )
 from minigpt.data.token_files import DataError
+from minigpt.files import write_fault
 from minigpt.models import get_config
-from minigpt.runs import RunDir, RunError, resume_configs
+from minigpt.runs import RunDir, RunError
 from minigpt.sharding import PresetError
 from minigpt.tokenizer import TokenizerError, load_tokenizer
 from minigpt.train.budget import parse_duration
+from minigpt.train.flags import build_parser
 from minigpt.train.lock import RunLocked
 from minigpt.train.metrics import TrainingDiverged
 from minigpt.train.recipes import load_recipe
+from minigpt.train.resuming import resume_configs
 
 # What a user can cause, reported in one line with exit status 2 (3: training diverged).
 USER_ERRORS = (ConfigError, PresetError, CheckpointError, DataError, TokenizerError, RunLocked)
@@ -83,6 +86,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
         if not sep:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         scope, _, name = key.rpartition(".")
+        if scope == "data":  # the data's settings are train fields: data.truncate is
+            scope, name = "train", f"data_{name}"  # train.data_truncate, data.root data_root
         scopes = [scope] if scope else [s for s in ("model", "train") if name in hints[s]]
         if not scopes or scopes[0] not in hints or name not in hints[scopes[0]]:
             known = sorted(f"model.{n}" for n in hints["model"]) + sorted(
@@ -92,75 +97,6 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"--set: {name!r} is ambiguous; write model.{name} or train.{name}")
         changes[scopes[0]][name] = _parse_value(value, hints[scopes[0]][name], key)
     return changes
-
-
-def apply_overrides(model: ModelConfig, train: TrainConfig,
-                    overrides: list[str]) -> tuple[ModelConfig, TrainConfig]:
-    """Apply `key=value` strings; a key is `field`, `model.field` or `train.field`."""
-    changes = parse_overrides(overrides)
-    return (dataclasses.replace(model, **changes["model"]),
-            dataclasses.replace(train, **changes["train"]))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The flags; each help text names the default a new run gets (the config's, or the
-    recipe's when one is given; a resumed run keeps its own)."""
-    d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m minigpt.train",
-                                description="Train a model of the zoo under a parallelism preset.")
-    p.add_argument("--recipe", help="a named way to train (a file in recipes/, e.g. "
-                                    "stories-cpu, or a .toml path): model, tokenizer and "
-                                    "settings; the other flags override it")
-    p.add_argument("--time-budget", metavar="DURATION",
-                   help="train for this long (e.g. 10m, 90s, 1h; compilation included) with "
-                        "the learning-rate schedule fitted to it, instead of --steps")
-    p.add_argument("--tokenizer", help="gpt2, a shipped vocabulary (tinystories-4k) or a "
-                                       ".tiktoken file; sets the model's vocabulary to match "
-                                       "(default: the model's own)")
-    p.add_argument("--preset", help=f"parallelism preset: a name in presets/ or a .toml path, "
-                                    f"or auto: the fastest that fits (default {d.preset})")
-    p.add_argument("--device-memory", metavar="SIZE",
-                   help="with --preset auto, choose for devices of this memory, e.g. 16GiB or "
-                        "80GB (default: what the devices report; on a CPU the machine's share)")
-    p.add_argument("--model", help=f"model name from the zoo (default {d.model})")
-    p.add_argument("--data", nargs="+", help=f"'tinystories', 'tinystories-v2' or text files "
-                                             f"(default {d.data[0]})")
-    p.add_argument("--steps", type=int, help=f"train to this step (default {d.steps}; on "
-                                             f"--resume: a new end, see docs/training.md)")
-    p.add_argument("--batch-size", type=int, help=f"global batch in sequences "
-                                                  f"(default {d.batch_size})")
-    p.add_argument("--seq-len", type=int, help="training context (default: the model's)")
-    p.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr:g})")
-    p.add_argument("--seed", type=int, help=f"(default {d.seed})")
-    p.add_argument("--out", help=f"run directory (default {d.out})")
-    p.add_argument("--init-from", metavar="RUN",
-                   help="start a new run from RUN's latest weights (trained here, or imported "
-                        "with python -m minigpt.hub): its model and tokenizer, a fresh "
-                        "optimizer, step 0")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint "
-                                                         "(the flags that started it may stay)")
-    p.add_argument("--devices", type=int, default=0,
-                   help="simulate this many CPU devices, to try any preset on a laptop "
-                        "(default: the devices present; a resumed run: as many as it was "
-                        "trained on)")
-    p.add_argument("--eval-every", type=int, help=f"(default {d.eval_every})")
-    p.add_argument("--save-every", type=int, help=f"(default {d.save_every})")
-    p.add_argument("--no-sample", action="store_true",
-                   help="do not tell a sample story at the end")
-    p.add_argument("--profile-steps", help="'a:b': write a profiler trace of steps a..b-1 "
-                                           "(into <out>/tensorboard, for its profile plugin)")
-    job = p.add_argument_group("multi-process jobs (see python -m minigpt.launch to try one "
-                               "on this machine)")
-    job.add_argument("--coordinator", metavar="HOST:PORT",
-                     help="address of process 0's coordinator; joins a multi-process job")
-    job.add_argument("--num-processes", type=int, help="processes in the job")
-    job.add_argument("--process-id", type=int, help="this process's index, 0..N-1")
-    job.add_argument("--distributed", action="store_true",
-                     help="join the job the cluster environment describes (SLURM, Open MPI, "
-                          "Cloud TPU, Kubernetes, JAX_COORDINATOR_ADDRESS)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config field, e.g. --set model.dropout=0 --set lr=3e-4")
-    return p
 
 
 def _train_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -307,6 +243,11 @@ def run(argv: Sequence[str] | None, train: Callable[..., dict[str, Any]]) -> int
                                 sample=not args.no_sample)
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a disk that fills, a folder made read-only: the machine's state
+        if write_fault(e) is None:
+            raise
+        print(f"error: {write_fault(e)}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)

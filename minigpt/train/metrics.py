@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from minigpt.config import TrainConfig
 from minigpt.files import replacing
 from minigpt.runs import RunDir
 
@@ -118,26 +119,70 @@ def plot_losses(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+# Settings far past what anyone trains with, which alone can make a run diverge: (config
+# section, field, the largest usual value, the metric their term of the loss reports). The
+# learning rate is not among them: the message without an extreme setting names it.
+EXTREMES = (("model", "router_z_loss_coef", 1.0, "z_loss"),
+            ("model", "router_aux_loss_coef", 10.0, "aux_loss"),
+            ("train", "muon_lr", 10.0, None), ("train", "lora_alpha", 1e4, None))
+
+
+def extreme_settings(model_cfg: Any, train_cfg: Any, values: dict[str, Any]) -> list[str]:
+    """The settings of a diverged run that are extreme (`EXTREMES`), or whose own term of the
+    loss is what stopped being finite, each as "section.field VALUE"."""
+    found = []
+    for section, field, usual, metric in EXTREMES:
+        value = getattr(model_cfg if section == "model" else train_cfg, field)
+        term = values.get(metric) if metric else None
+        broke = isinstance(term, float) and not math.isfinite(term)
+        if value > usual or (broke and value > 0):
+            found.append(f"{section}.{field} {value:g}")
+    return found
+
+
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm stopped being a finite number; the message says what to do."""
 
     @classmethod
     def at(cls, step: int, values: dict[str, float], *, lr: float, warmup: int, dtype: str,
-           out: Path, latest_checkpoint: int | None) -> TrainingDiverged:
+           out: Path, latest_checkpoint: int | None,
+           extreme: list[str] = ()) -> TrainingDiverged:
+        """The one-line error: what diverged, what is kept, and the likely cause: an extreme
+        setting where the run has one (`extreme_settings`), else the learning rate."""
         kept = (f"the latest checkpoint is still step {latest_checkpoint}; nothing after it was "
                 f"saved" if latest_checkpoint is not None else "no checkpoint was saved")
+        what = (f"step {step}: the loss is {values['loss']} and the gradient norm "
+                f"{values['grad_norm']}: training diverged and stopped ({kept}).")
+        if extreme:
+            return cls(f"{what} The likely cause: {' and '.join(extreme)}, far beyond the usual "
+                       f"values; train again with {'them' if len(extreme) > 1 else 'it'} "
+                       f"in range (--set {extreme[0].replace(' ', '=')} is the one to change)")
+        # A tenth of the rate, but no more than the default: a rate ten times too high is
+        # rarely the only excess of one a thousand times too high.
+        lower = min(lr / 10, TrainConfig.lr)
+        again = (" (nothing was saved, so it starts again from step 0 with the run's settings)"
+                 if latest_checkpoint is None else "")
         return cls(
-            f"step {step}: the loss is {values['loss']} and the gradient norm "
-            f"{values['grad_norm']}: training diverged and stopped ({kept}). Likely causes: a "
+            f"{what} Likely causes: a "
             f"learning rate too high for this model and batch (peak lr {lr:g}), too short a "
-            f"warm-up ({warmup} steps) or overflow in {dtype}. Continue with a lower rate: "
-            f"python -m minigpt.train --out {out} --resume --lr {lr / 10:g}")
+            f"warm-up ({warmup} steps) or overflow in {dtype}. Go on with a lower rate: "
+            f"python -m minigpt.train --out {out} --resume --lr {lower:g}{again}")
+
+
+def describe_eval(result: dict[str, float]) -> str:
+    """Held-out metrics as the log shows them: "eval loss 2.4567 nats/token, 0.912
+    bits/byte"."""
+    text = f"eval loss {result['eval_loss']:.4f} nats/token"
+    if "eval_bits_per_byte" in result:
+        text += f", {result['eval_bits_per_byte']:.3f} bits/byte"
+    return text
 
 
 # metrics.jsonl keys and the TensorBoard tags they are shown under.
 TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate",
                     "grad_norm": "train/grad_norm", "tokens_per_s": "speed/tokens_per_s",
                     "mfu": "speed/mfu", "eval_loss": "eval/loss",
+                    "eval_bits_per_byte": "eval/bits_per_byte",
                     "eval_perplexity": "eval/perplexity"}
 # Those only a mixture of experts logs (`minigpt.train.steps`): the router's penalties, each
 # expert's share of the assignments (a list, shown as one scalar per expert, `<tag>/<index>`),
@@ -244,10 +289,13 @@ class Recorder:
                                           mfu=f"{entry['mfu']:.3f}")
         return values
 
-    def record_eval(self, step: int, loss: float) -> None:
-        self.write({"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50))})
+    def record_eval(self, step: int, result: dict[str, float]) -> None:
+        """Log held-out metrics: {"eval_loss" (nats per token), and where measured
+        "eval_bits_per_byte"}; the perplexity comes with the loss."""
+        loss = result["eval_loss"]
+        self.write({"step": step, **result, "eval_perplexity": math.exp(min(loss, 50))})
         if self.progress is not None:
-            self.progress.write(f"step {step}: eval loss {loss:.4f}")
+            self.progress.write(f"step {step}: {describe_eval(result)}")
 
     def set_total(self, steps: int) -> None:
         if self.progress is not None:

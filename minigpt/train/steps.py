@@ -26,13 +26,6 @@ from minigpt.models.layers import row_keys
 from minigpt.train.lr_schedule import LRSchedule
 
 
-def loss_fn(model: DecoderLM, batch: dict[str, jax.Array],
-            dropout_keys: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of a batch {"inputs", "targets"} (int [B, T] each), with
-    dropout when keys (one per row) are given: the model's own loss (`DecoderLM.loss`)."""
-    return model.loss(batch, dropout_keys)
-
-
 def _loss_and_metrics(model: DecoderLM, batch, keys):
     return model.loss_and_metrics(batch, keys)
 

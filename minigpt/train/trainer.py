@@ -23,15 +23,15 @@ from flax import nnx
 
 import minigpt.models.kernels as kernels
 import minigpt.train.adapters as adapters
+import minigpt.train.batches as batches
 import minigpt.train.flops as flops
 import minigpt.train.lr_schedule as lr_schedule
 import minigpt.train.metrics as metrics
 import minigpt.train.steps as steps
 from minigpt import pipeline, plan, runtime, sharding
-from minigpt.checkpoint import Checkpointer
-from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_step_range, warmup_for
+from minigpt.checkpoint import Checkpointer, has_checkpoint
+from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_step_range
 from minigpt.data import check_tokenizer, prepare_in_job
-from minigpt.data.loader import batch_iterator
 from minigpt.files import write_text_atomic
 from minigpt.generate import generate
 from minigpt.runs import RunDir, check_start, keep_vocabulary
@@ -61,6 +61,8 @@ class Run:
     optimizer: nnx.Optimizer
     checkpointer: Checkpointer
     batches: Any  # the Grain iterator of training batches
+    tokenizer: Any
+    documents: tuple[int, int | None] | None  # begin and end tokens, where documents stay apart
     rng: jax.Array
     record: dict[str, Any]  # what config.json says beside the two configs
     step: int = 0  # steps done
@@ -80,6 +82,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
     """
     train_cfg, chosen = plan.resolve(model_cfg, train_cfg, resume=resume, say=log)  # "auto"
     preset, mesh, settings = check_request(model_cfg, train_cfg, resume=resume)
+    if resume and not has_checkpoint(RunDir(train_cfg.out).checkpoints):  # it never saved
+        log(f"nothing of {train_cfg.out} was saved yet: it starts again from step 0, with the "
+            f"settings its config.json holds and the changes asked for now")
+        resume = False
     with hold_run_lock(Path(train_cfg.out), say=log):
         run = build_run(model_cfg, train_cfg, preset, mesh, settings, resume=resume)
         run.record.update(chosen)  # how --preset auto chose, for config.json
@@ -106,9 +112,9 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
     if (train_cfg.seq_len or model_cfg.context_len) > model_cfg.context_len:
         raise ConfigError(f"train.seq_len {train_cfg.seq_len} exceeds the model's context "
                           f"{model_cfg.context_len}")
-    adapters.check(model_cfg, train_cfg)
     preset = sharding.load_preset(train_cfg.preset)
     mesh = sharding.make_mesh(preset)
+    adapters.check(model_cfg, train_cfg, preset, mesh)  # and that it fits, before any allocation
     return preset, mesh, sharding.check_layout(
         preset, mesh, model=train_cfg.model, num_layers=model_cfg.num_layers,
         batch_size=train_cfg.batch_size, accumulation=train_cfg.microbatches,
@@ -124,18 +130,26 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
               settings: sharding.Pipeline, *, resume: bool) -> Run:
     """Prepare the data and create the sharded state (nothing trained yet); a new run started
     from another's weights reads them before anything of its own is written."""
-    data_dir = prepare_in_job(train_cfg.data, train_cfg.data_root, model_cfg.tokenizer)
+    seq_len = train_cfg.seq_len or model_cfg.context_len
+    tokenizer, chat_record = batches.for_chats(load_tokenizer(model_cfg.tokenizer), train_cfg,
+                                               resume=resume, say=log)
+    data_dir = prepare_in_job(train_cfg.data, train_cfg.data_root, model_cfg.tokenizer,
+                              seq_len=seq_len, truncate=train_cfg.data_truncate,
+                              template=chat_record.get("chat_template"))
     started = time.monotonic()
     meta = check_tokenizer(data_dir, model_cfg, train_cfg.model)
 
     model, optimizer = sharding.create_sharded(lambda: adapters.build(model_cfg, train_cfg),
                                                preset, mesh)  # with LoRA: adapters train alone
+    if note := sharding.degenerate_note(preset, mesh, nnx.state(model)):
+        log(note)  # it trains, but whoever asked for a split should know what stays whole
     base = None  # the run whose weights are the adapters' frozen base
     if train_cfg.init_from and not resume:
         base = adapters.start_from(model, Path(train_cfg.init_from),
                                    adapters.requested(train_cfg), say=log)
-    seq_len = train_cfg.seq_len or model_cfg.context_len
-    batches = _batches(data_dir, "train", train_cfg, seq_len, preset, mesh)
+    documents = batches.documents(tokenizer, train_cfg)
+    training = batches.split_batches(data_dir, "train", train_cfg, seq_len, preset, mesh,
+                                     documents=documents)
     run_dir = RunDir(train_cfg.out)
     checkpointer = Checkpointer(run_dir.checkpoints, keep=train_cfg.keep_checkpoints)
     for name in checkpointer.leftovers:
@@ -144,13 +158,14 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
     devices = {"platform": jax.devices()[0].platform, "count": jax.device_count(),
                "processes": jax.process_count()}
     record = {"preset": preset.name, "tokenizer": meta["tokenizer"], "data_dir": str(data_dir),
-              "devices": devices, **({} if resume else adapters.record(train_cfg, base))}
+              "devices": devices, **chat_record,
+              **({} if resume else adapters.record(train_cfg, base))}
     return Run(model_cfg=model_cfg, train_cfg=train_cfg, dir=run_dir, seq_len=seq_len,
                preset=preset, mesh=mesh, pipeline=settings,
                layers=pipeline.LayerOrder(settings, model_cfg.num_layers, preset, mesh),
                data_dir=data_dir, model=model, optimizer=optimizer, checkpointer=checkpointer,
-               batches=batches, rng=jax.random.key(train_cfg.seed), record=record,
-               started=started)
+               batches=training, tokenizer=tokenizer, documents=documents,
+               rng=jax.random.key(train_cfg.seed), record=record, started=started)
 
 
 def restore(run: Run) -> None:
@@ -269,6 +284,8 @@ def _recorder(run: Run) -> metrics.Recorder:
     cfg = run.train_cfg
     tokens_per_step = cfg.batch_size * run.seq_len
     peak = flops.device_peak(kernels.compute_dtype(run.model_cfg.dtype))
+    if note := runtime.huge_pages_note():
+        log(note)
     log(f"preset {run.preset.name} on mesh {dict(run.mesh.shape)}; {tokens_per_step:,} "
         f"tokens/step; {kernels.describe(run.model_cfg.kernels, run.model_cfg.dtype)}; MFU "
         f"against {peak.flops / 1e12:.2f} TFLOP/s per device ({peak.source})")
@@ -308,9 +325,10 @@ def _record(run: Run, recorder: metrics.Recorder, step: int, reported) -> None:
     if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
         cfg = run.train_cfg
         raise metrics.TrainingDiverged.at(
-            step, values, lr=cfg.lr, warmup=warmup_for(cfg),
+            step, values, lr=cfg.lr, warmup=lr_schedule.warmup_for(cfg),
             dtype=kernels.compute_dtype(run.model_cfg.dtype),
-            out=run.dir.path, latest_checkpoint=run.checkpointer.latest_step())
+            out=run.dir.path, latest_checkpoint=run.checkpointer.latest_step(),
+            extreme=metrics.extreme_settings(run.model_cfg, cfg, values))
 
 
 def _save(run: Run) -> None:
@@ -322,25 +340,9 @@ def _save_and_evaluate(run: Run, put, recorder: metrics.Recorder) -> None:
     if _due(run, "save_every"):
         _save(run)
     if _due(run, "eval_every"):
-        recorder.record_eval(run.step, evaluate(run, put))
-
-
-def _batches(data_dir: Path, split: str, cfg: TrainConfig, seq_len: int, preset, mesh, *,
-             shuffle: bool = True):
-    """A split's batches, this process reading only its share of each: training batches in
-    the run's shuffled order, validation ones (`shuffle=False`) in a fixed order."""
-    share, shares = sharding.batch_share(preset, mesh, cfg.batch_size)
-    return batch_iterator(data_dir, split, seq_len=seq_len, batch_size=cfg.batch_size,
-                          seed=cfg.seed if shuffle else 0, shuffle=shuffle,
-                          process_index=share, process_count=shares)
-
-
-def evaluate(run: Run, batch_put) -> float:
-    """Mean loss over the first `eval_batches` batches of the validation split (fixed order)."""
-    it = _batches(run.data_dir, "val", run.train_cfg, run.seq_len, run.preset, run.mesh,
-                  shuffle=False)
-    return steps.mean_loss(run.model, (batch_put(next(it))
-                                       for _ in range(run.train_cfg.eval_batches)))
+        recorder.record_eval(run.step, batches.evaluate(
+            run.model, run.tokenizer, run.data_dir, run.train_cfg, run.seq_len, run.preset,
+            run.mesh, put, documents=run.documents))
 
 
 def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
@@ -351,17 +353,20 @@ def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
     log(f"checkpoint: {summary['checkpoint']}")
     if interrupted:
         return summary
+    held_out = None
     if run.is_writer:
         records = metrics.read_metrics(run.dir.metrics)
         metrics.plot_losses(records, run.dir.loss_plot)
         summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
-        summary["eval_loss"] = next(
-            (r["eval_loss"] for r in reversed(records) if "eval_loss" in r), None)
+        held_out = next((r for r in reversed(records) if "eval_loss" in r), None)
+        summary.update({k: (held_out or {}).get(k) for k in ("eval_loss", "eval_bits_per_byte")})
     if sample:
         run.layers.leave(run.model)  # generation runs the layers in the model's order
         with sharding.use_preset(run.preset, run.mesh):
-            story = generate(run.model, load_tokenizer(run.record["tokenizer"]),
-                             ["Once upon a time"], max_new_tokens=100, temperature=0.8,
-                             top_k=50, rng=jax.random.key(run.train_cfg.seed))[0]
+            story = generate(run.model, run.tokenizer, ["Once upon a time"],
+                             max_new_tokens=100, temperature=0.8, top_k=50,
+                             rng=jax.random.key(run.train_cfg.seed))[0]
         log(f"sample:\n{story}")
+    if held_out is not None:  # the run's last word: how well it does on text it never saw
+        log(f"held out at step {held_out['step']}: {metrics.describe_eval(held_out)}")
     return summary

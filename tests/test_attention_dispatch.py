@@ -15,7 +15,6 @@ from flax import nnx
 
 from minigpt import explain, sharding
 from minigpt.models import attention, build_model, get_config, kernels
-from minigpt.train import steps
 
 B, T, VOCAB = 2, 128, 256  # 2 of the CPU kernels' attention blocks, one of Splash's
 
@@ -40,7 +39,7 @@ def packed_batch(seed: int = 0) -> dict[str, jax.Array]:
 
 def loss_and_grads(cfg, batch):
     model = build_model(cfg, rngs=nnx.Rngs(1))
-    loss, grads = nnx.value_and_grad(steps.loss_fn)(model, batch)
+    loss, grads = nnx.value_and_grad(lambda m, b: m.loss(b))(model, batch)
     return float(loss), {k: np.asarray(v.get_value())
                          for k, v in nnx.to_flat_state(nnx.state(grads))}
 

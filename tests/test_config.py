@@ -13,8 +13,8 @@ from minigpt.config import (
 )
 from minigpt.models import get_config
 from minigpt.tokenizer import load_tokenizer
+from minigpt.train import cli
 from minigpt.train.budget import parse_duration
-from minigpt.train.cli import apply_overrides
 from minigpt.train.lr_schedule import warmup_for
 from minigpt.train.recipes import available_recipes, load_recipe
 
@@ -52,13 +52,19 @@ def test_model_config_derives_heads_and_padded_vocabulary():
     assert ModelConfig(num_kv_heads=0).kv_heads == ModelConfig().num_heads
 
 
+def overridden(*items: str) -> tuple[ModelConfig, TrainConfig]:
+    """The configs `python -m minigpt.train --set ITEM ...` resolves."""
+    args = [part for item in items for part in ("--set", item)]
+    return cli.resolve_configs(cli.build_parser().parse_args(args))
+
+
 def test_overrides_are_parsed_by_the_declared_type_and_scope():
-    model, train = apply_overrides(ModelConfig(), TrainConfig(), [
-        "dropout=0", "model.remat=yes", "train.lr=3e-4", "steps=7", "data=a.txt,b.txt",
-        "train.profile_steps=1:3"])
+    model, train = overridden("dropout=0", "model.remat=yes", "train.lr=3e-4", "steps=7",
+                              "data=a.txt,b.txt", "train.profile_steps=1:3",
+                              "data.truncate=true")
     assert (model.dropout, model.remat) == (0.0, True)
-    assert (train.lr, train.steps, train.data, train.profile_steps) == (
-        3e-4, 7, ("a.txt", "b.txt"), "1:3")
+    assert (train.lr, train.steps, train.data, train.profile_steps, train.data_truncate) == (
+        3e-4, 7, ("a.txt", "b.txt"), "1:3", True)
     assert parse_step_range("1:3") == (1, 3)
 
 
@@ -71,7 +77,7 @@ def test_overrides_are_parsed_by_the_declared_type_and_scope():
 ])
 def test_bad_overrides_say_what_is_wrong(item, message):
     with pytest.raises(ConfigError) as e:
-        apply_overrides(ModelConfig(), TrainConfig(), [item])
+        overridden(item)
     assert message in str(e.value)
 
 

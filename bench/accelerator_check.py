@@ -14,15 +14,16 @@ recorded and the rest still run:
 - mfu: train-step MFU in bfloat16 and float32 for gpt2-small at batch 16 x 1024 and llama-15m
   and minigpt at their shapes, with the fused attention and with XLA's, against the chip's
   data-sheet peak and a matmul measured in the same process; tokens/s beside modded-nanogpt's;
-- stories: `--recipe stories-gpu` for 2 minutes: held-out loss and bits per byte, tokens/s, the
-  sample story;
-- generation: KV-cache tokens/s at batch 1 and 16;
+- stories: `--recipe stories-gpu` for 2 minutes: held-out loss and bits per byte, tokens/s;
+- generation: KV-cache tokens/s at batch 1 and 16, and a story from the stories run's model;
 - notebooks: each notebook's first code cell as Colab runs it (`accelerator_steps.notebooks`).
 
 DIR receives report.json (everything), summary.txt (a few lines), logs/ (each step's output) and
-the runs the steps make. `--wheels` installs what the machine lacks (grain, tensorboardX, the
-test tools, ...) with pip from that folder alone, never downloading. `--dry-run` runs the same
-steps with tiny shapes and budgets on a CPU (CI runs it: under a minute on 2 cores).
+the runs the steps make; `--record` also appends the summary to bench/RESULTS.md. `--wheels`
+installs what the machine lacks (grain, tensorboardX, the test tools, ...) with pip from that
+folder alone, never downloading. The machine has no network, so give the stories' text with
+`--data` (a few MB of TinyStories). `--dry-run` runs the same steps with tiny shapes and budgets
+on a CPU; CI runs it (tests/test_accelerator_check.py).
 """
 
 from __future__ import annotations
@@ -255,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "no index)")
     parser.add_argument("--data", nargs="+", help="text for the stories step (default: "
                                                   "TinyStories; the dry run: a slice of it)")
+    parser.add_argument("--record", action="store_true",
+                        help="also append the summary to bench/RESULTS.md")
     parser.add_argument("--step", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -286,8 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     report["ok"] = all(step["ok"] for step in report["steps"].values())
     report["seconds"] = round(time.monotonic() - began, 1)
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "summary.txt").write_text("\n".join(summary_lines(report)) + "\n")
-    print((out / "summary.txt").read_text())
+    lines = summary_lines(report)
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    if args.record:
+        where = report["steps"]["environment"].get("result", {}).get("devices", ["?"])[0]
+        bench_report.append_section(
+            f"accelerator check{' (dry run)' if args.dry_run else ''} on {where}",
+            [f"{report['seconds']} s in all; the full report: {out / 'report.json'}"],
+            ["```", *lines[1:], "```"])
+    else:
+        print("\n".join(lines))
     return 0 if report["ok"] else 1
 
 

@@ -167,9 +167,9 @@ class _Renderer:
                 # interrupt (a single huge operation inside jinja2 or Python).
                 reply = _read_frame(process.stdout.fileno(), time.monotonic() + seconds + 2.0)
             except (OSError, _Stopped) as error:
-                why = (f"did not finish within {seconds:g} s" if isinstance(error, _Timeout)
-                       else "stopped the process it rendered in (it ran out of memory, or was "
-                            "killed)")
+                why = (f"did not finish rendering within {seconds:g} s"
+                       if isinstance(error, _Timeout) else "stopped the process it rendered in "
+                       "(it ran out of memory, or was killed)")
                 self._stop()
                 raise RenderError(why) from None
             return json.loads(reply.decode("utf-8"))
@@ -369,7 +369,7 @@ def _serve(memory: int) -> None:
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except _OverTime:
-            reply = {"error": f"did not finish within {seconds:g} s"}
+            reply = {"error": f"did not finish rendering within {seconds:g} s"}
         except MemoryError:
             reply = {"error": f"needs more than the {memory / 2**30:g} GiB of memory a "
                               f"template may use"}

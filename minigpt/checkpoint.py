@@ -17,7 +17,10 @@ moves one out of the way of new saves without deleting anything).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import os
+import re
 import shutil
 import sys
 import time
@@ -50,11 +53,13 @@ def _closed_loop_noise(unraisable) -> bool:
 
 
 def _quiet_failed_restores() -> None:
-    """Drop the "Event loop is closed" noise of a failed restore (one traceback per array still
-    being read) from stderr; every other unraisable exception goes where it went before.
+    """Drop the "Event loop is closed" noise of a failed restore or save (one traceback per
+    array still being read or written) from stderr; every other unraisable exception goes where
+    it went before.
 
-    Installed before a restore starts, not after it fails: the reads still in flight report from
-    TensorStore's threads as soon as Orbax gives up, which can be before the failure reaches us."""
+    Installed before a restore or save starts, not after it fails: the reads and writes still in
+    flight report from TensorStore's threads as soon as Orbax gives up, which can be before the
+    failure reaches us."""
     previous = sys.unraisablehook
     if getattr(previous, "minigpt_quiet", False):
         return
@@ -92,6 +97,21 @@ def _gist(error: BaseException) -> str:
         error = error.__cause__
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:300] if lines else 'no details'}"
+
+
+def _failed_write(what: str, error: BaseException) -> tuple[str, str]:
+    """What failed, and why, from what Orbax and TensorStore said: the step whose temporary
+    directory was being written, and the system's reason (TensorStore gives it as an error
+    code: 28, "No space left on device")."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error)
+    step = re.search(r"/(\d+)\.orbax-checkpoint-tmp", text)
+    code = re.search(r"os_error_code='(\d+)'", text)
+    errno = getattr(error, "errno", None) or (int(code.group(1)) if code else None)
+    if step:
+        what = f"cannot save checkpoint {step.group(1)}"
+    return what, os.strerror(errno) if errno else _gist(error)
 
 
 # Checkpoints written before every model stacked its blocks into [layers, ...] arrays hold a
@@ -169,9 +189,23 @@ def _write_arrays_from_one_replica() -> None:
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
 
 
+class _OrbaxErrorsOnly(logging.Filter):
+    """Orbax logs a failed asynchronous save from each of its threads, with a traceback, before
+    the failure reaches the trainer; the Checkpointer reports it once, in one line, instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+_ORBAX_ERRORS = _OrbaxErrorsOnly()
+
+
 class Checkpointer:
     """Save and restore a run's checkpoints. `read_only` opens them for generation: nothing is
-    created, cleaned or written."""
+    created, cleaned or written. A save that fails (a full disk, a folder made read-only) is
+    reported once, as a one-line CheckpointError from `save` or `wait`: the checkpoints written
+    before it are intact, and the step it was saving is left as an incomplete temporary
+    directory, which the next writing Checkpointer removes."""
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
                  read_only: bool = False):
@@ -183,6 +217,10 @@ class Checkpointer:
             max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
             create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=async_save)
+        self._failed = False
+        _quiet_failed_restores()
+        if not read_only:
+            logging.getLogger("absl").addFilter(_ORBAX_ERRORS)
         with _absl_errors_only() if read_only else contextlib.nullcontext():
             self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -210,7 +248,28 @@ class Checkpointer:
         if optimizer is not None:
             items["optimizer"] = ocp.args.StandardSave(layout(nnx.state(optimizer)))
         args = ocp.args.Composite(**items)
-        return self._manager.save(step, args=args, force=force)
+        with self._reporting(f"cannot save checkpoint {step}"):
+            return self._manager.save(step, args=args, force=force)
+
+    @contextlib.contextmanager
+    def _reporting(self, what: str):
+        """Turn a failed save (this one, or the asynchronous one before it, which Orbax reports
+        when the next begins) into one CheckpointError, the first time; later waits and the
+        close stay quiet, so the first failure is the one the user reads."""
+        try:
+            yield
+        except Exception as error:  # Orbax and TensorStore raise many kinds for a failed write
+            if self._failed:
+                return
+            self._failed = True
+            gc.collect()  # the writes Orbax abandoned end now, not noisily at exit
+            what, why = _failed_write(what, error)
+            self.reload()  # the steps on disk, not the one Orbax began to write
+            kept = ", ".join(map(str, self.all_steps())) or "none"
+            raise CheckpointError(
+                f"{what} in {self.directory}: {why}. The checkpoints written before it are "
+                f"intact (steps: {kept}); once the cause is gone (free space, a writable "
+                f"folder), continue with --resume") from None
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None,
                 step: int | None = None) -> dict[str, Any]:
@@ -293,11 +352,16 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        """Block until pending asynchronous saves are on disk."""
-        self._manager.wait_until_finished()
+        """Block until pending asynchronous saves are on disk (CheckpointError if one failed)."""
+        with self._reporting("cannot save the latest checkpoint"):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.close()
+        try:
+            with self._reporting("cannot save the latest checkpoint"):
+                self._manager.close()
+        finally:
+            logging.getLogger("absl").removeFilter(_ORBAX_ERRORS)
 
 
 def has_checkpoint(directory: str | Path) -> bool:

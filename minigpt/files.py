@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import hashlib
 import importlib.resources
+import json
 import os
 import tomllib
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +37,66 @@ def replacing(path: str | Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def first_line(error: BaseException) -> str:
+    """What an exception says, as one short line (its type's name where it says nothing):
+    libraries raise messages of many lines, and a user's error is one."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+# A JSON file a user gives (a checkpoint's config, a run's config.json, a tokenizer's configs)
+# is small; a larger one is not what it claims to be, and is not read into memory to find out.
+JSON_LIMIT = 64 << 20
+
+
+def read_json_object(path: str | Path, error: type[Exception], *, missing: str | None = None,
+                     kind: str = "a JSON object") -> dict[str, Any]:
+    """The one reader of the JSON-object files minigpt is given: the object a file holds,
+    refusing (as `error`, one line naming the file) one that is not UTF-8, not JSON, nested
+    too deeply, larger than JSON_LIMIT or not an object. An absent file is {} (or, with
+    `missing`, the refusal that message gives). Values are checked where they are used, each
+    field with the type check of the configs (`minigpt.config.check_value`)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > JSON_LIMIT:
+            raise error(f"{path} holds {path.stat().st_size:,} bytes: too large for the JSON "
+                        f"file it should be (at most {JSON_LIMIT:,})")
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        if missing is None:
+            return {}
+        raise error(missing) from None
+    except UnicodeDecodeError:
+        raise error(f"{path} is not UTF-8 text, so it is not the JSON file it should be") \
+            from None
+    except RecursionError:
+        raise error(f"{path} is nested too deeply to be the JSON file it should be") from None
+    except (OSError, ValueError) as problem:  # json.JSONDecodeError is a ValueError
+        raise error(f"{path} is not valid JSON ({first_line(problem)})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path} is not {kind} (it holds a JSON {_json_kind(value)})")
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+# The reasons a write fails that are the machine's state, not a bug: a full disk or quota, a
+# read-only or foreign folder, a file past its size limit.
+WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def write_fault(error: BaseException) -> str | None:
+    """The one-line refusal of a failed write that is the machine's state (`WRITE_FAULTS`):
+    what could not be written and why; None for any other error."""
+    if not isinstance(error, OSError) or error.errno not in WRITE_FAULTS:
+        return None
+    return (f"cannot write {error.filename or 'a file'}: {error.strerror}. What was written "
+            f"before is kept; once the cause is gone (free space, a writable folder), run the "
+            f"command again (a training run: with --resume)")
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -34,7 +34,9 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext import openai_public
 
-from minigpt.files import write_text_atomic
+from minigpt import chat_template
+from minigpt.config import ConfigError, check_value
+from minigpt.files import first_line, read_json_object, write_text_atomic
 
 DEFAULT_TOKENIZER = "gpt2"
 # End-of-text tokens by their usual names, for a tokenizer whose configs name none.
@@ -84,9 +86,11 @@ class Encoding(tiktoken.Encoding):
     def encode_prompt(self, text: str) -> list[int]:
         return self.encode_ordinary(text)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], **options) -> str:
         raise TokenizerError(f"the {self.name} tokenizer has no chat template (runs imported "
                              f"from an instruct checkpoint have one): use --prompt instead")
+
+    render_chat_with_spans = render_chat
 
     def decode(self, tokens, errors: str = "replace", skip_special_tokens: bool = False) -> str:
         if skip_special_tokens:
@@ -118,19 +122,20 @@ class HFTokenizer:
             self.inner = tokenizers.Tokenizer.from_file(str(path))
         except Exception as error:  # the library raises plain Exceptions for a file it refuses
             raise TokenizerError(f"{path} cannot be read by the tokenizers library: "
-                                 f"{_first_line(error)}") from None
+                                 f"{first_line(error)}") from None
         self.special_tokens = {t.content: i for i, t in
                                self.inner.get_added_tokens_decoder().items() if t.special}
         self.n_vocab = self.inner.get_vocab_size(with_added_tokens=True)
-        configs = [_json_object(self.folder / name) for name in (
+        self._files = [self.folder / name for name in (
             "generation_config.json", "config.json", "tokenizer_config.json")]
+        configs = [read_json_object(path, TokenizerError) for path in self._files]
         self.stop_tokens = self._ids(configs, "eos") or tuple(
             self.special_tokens[name] for name in END_NAMES if name in self.special_tokens)[:1]
         bos = self._ids(configs, "bos")
         try:
             added = self.inner.encode("a", add_special_tokens=True).ids
         except Exception as error:  # e.g. a model that cannot encode without an unknown token
-            raise TokenizerError(f"{path} cannot encode text: {_first_line(error)}") from None
+            raise TokenizerError(f"{path} cannot encode text: {first_line(error)}") from None
         self.bos_token = bos[0] if bos and added[:1] == [bos[0]] else None
         # None: nothing to end a document with (data preparation then refuses the tokenizer).
         self.eot_token = self.stop_tokens[0] if self.stop_tokens else None
@@ -139,15 +144,23 @@ class HFTokenizer:
 
     def _ids(self, configs: list[dict], role: str) -> tuple[int, ...]:
         """The ids of the begin ("bos") or end ("eos") tokens: generation_config.json's and
-        config.json's ids, else tokenizer_config.json's token names."""
-        for config in configs[:2]:
-            value = config.get(f"{role}_token_id")
-            ids = [value] if isinstance(value, int) else value
-            if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
-                return tuple(dict.fromkeys(i for i in ids if 0 <= i < self.n_vocab))
+        config.json's ids (one, or a list), else tokenizer_config.json's token names. Each is
+        checked where it is read: ids of the vocabulary, names as text."""
+        for config, path in zip(configs[:2], self._files):
+            where = f"{path}: {role}_token_id"
+            ids = token_ids(config.get(f"{role}_token_id"), where)
+            outside = [i for i in ids if not 0 <= i < self.n_vocab]
+            if outside:
+                raise TokenizerError(f"{where} names {outside[0]}, which is not a token of "
+                                     f"this tokenizer (ids 0 to {self.n_vocab - 1})")
+            if ids:
+                return tuple(dict.fromkeys(ids))
         name = configs[2].get(f"{role}_token")
         name = name.get("content") if isinstance(name, dict) else name
-        token = self.inner.token_to_id(name) if isinstance(name, str) else None
+        if name is not None and not isinstance(name, str):
+            raise TokenizerError(f"{self._files[2]}: {role}_token must be a token's text (or "
+                                 f"an object with its content), got {json.dumps(name)[:60]}")
+        token = None if name is None else self.inner.token_to_id(name)
         return () if token is None else (token,)
 
     def encode_ordinary(self, text: str) -> list[int]:
@@ -170,11 +183,21 @@ class HFTokenizer:
     def token_name(self, token: int) -> str | None:
         return self.inner.id_to_token(token)
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    max_chars: int = chat_template.DEFAULT_MAX_CHARS) -> str:
         """The conversation as the model reads it: the chat template rendered the way
-        transformers' `apply_chat_template` renders it (jinja2's sandbox, trim_blocks and
-        lstrip_blocks, the loop controls, its `tojson`, `raise_exception` and `strftime_now`,
-        the special tokens by role). A template that fails says why, in one line."""
+        transformers' `apply_chat_template` renders it (`minigpt.chat_template`: the sandbox,
+        its time, memory and `max_chars` limits). A template that fails or exceeds a limit
+        says why, in one line."""
+        return self.render_chat_with_spans(messages, add_generation_prompt=add_generation_prompt,
+                                           max_chars=max_chars).text
+
+    def render_chat_with_spans(self, messages: list[dict], *, add_generation_prompt: bool = False,
+                               max_chars: int = chat_template.DEFAULT_MAX_CHARS
+                               ) -> chat_template.Rendered:
+        """The rendered conversation and the [start, end) character spans its template marks
+        with `{% generation %}` (the assistant's replies, as transformers'
+        `return_assistant_tokens_mask` finds them; none where the template has no such tag)."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.folder} has no chat template (tokenizer_config.json's "
                                  f"chat_template, or chat_template.jinja): use --prompt instead")
@@ -184,66 +207,48 @@ class HFTokenizer:
             if ids:
                 roles[f"{role}_token"] = self.inner.id_to_token(ids[0])
         try:
-            template = _chat_environment().from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **roles)
-        except Exception as error:  # jinja2 raises its own kinds, templates may raise anything
-            raise TokenizerError(f"the chat template of {self.folder} failed: "
-                                 f"{type(error).__name__}: {_first_line(error)}") from None
+            return chat_template.render(self.chat_template, list(messages), variables=roles,
+                                        add_generation_prompt=add_generation_prompt,
+                                        max_chars=max_chars)
+        except chat_template.RenderError as error:
+            raise TokenizerError(f"the chat template of {self.folder} {error}") from None
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-
-
-def _json_object(path: Path) -> dict:
-    """A JSON file that must hold an object; {} where there is none."""
+def token_ids(value, where: str) -> tuple[int, ...]:
+    """A config's `bos_token_id` or `eos_token_id`: one id, a list of them, or none (null),
+    type-checked as every config field is (`minigpt.config.check_value`)."""
+    if value is None:
+        return ()
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as error:
-        raise TokenizerError(f"cannot read {path}: {_first_line(error)}") from None
-    if not isinstance(value, dict):
-        raise TokenizerError(f"{path} is not a JSON object")
-    return value
+        if isinstance(value, list):
+            check_value(where, tuple[int, ...], tuple(value))
+            return tuple(value)
+        check_value(where, int, value)
+    except ConfigError as error:
+        raise TokenizerError(f"{error}: a token id, or a list of them") from None
+    return (value,)
 
 
 def _chat_template(folder: Path, tokenizer_config: dict) -> str | None:
     """The chat template: chat_template.jinja (how transformers 5 saves it), else
-    tokenizer_config.json's `chat_template` (a string, or named templates: "default")."""
+    tokenizer_config.json's `chat_template` (a string, or named templates: "default"); a file
+    that is not UTF-8 text, or a value of another shape, is refused in one line."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise TokenizerError(f"{jinja} is not UTF-8 text (byte {error.start}), so it is not "
+                                 f"a chat template: replace it with the checkpoint's own") from None
     template = tokenizer_config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
-
-
-@functools.cache
-def _chat_environment():
-    """jinja2's sandbox set up as transformers sets it up for chat templates (Hub templates are
-    untrusted code: they run sandboxed)."""
-    import datetime
-
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env
+    if isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str) for t in template):
+        return {t["name"]: t["template"] for t in template}.get("default")
+    if template is None or isinstance(template, str):
+        return template
+    raise TokenizerError(f"{folder / 'tokenizer_config.json'}: chat_template must be a template "
+                         f"(text) or a list of named ones, got {json.dumps(template)[:60]}")
 
 
 def _cache_dir() -> str:
@@ -340,15 +345,7 @@ def read_ranks(path: Path, special_ids: Iterable[int] = ()) -> dict[bytes, int]:
 def read_provenance(path: Path) -> dict:
     """The JSON beside a ranks file (`<name>.json`), or {} where there is none."""
     beside = path.with_suffix(".json")
-    try:
-        provenance = json.loads(beside.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as error:
-        raise TokenizerError(f"cannot read {beside}, the provenance of {path.name}: "
-                             f"{type(error).__name__}: {error}") from error
-    if not isinstance(provenance, dict):
-        raise TokenizerError(f"{beside}: the provenance of {path.name} must be a JSON object")
+    provenance = read_json_object(beside, TokenizerError)
     specials = provenance.get("special_tokens", {})
     pat_str = provenance.get("pat_str", PATTERN)
     if not (isinstance(specials, dict) and isinstance(pat_str, str)

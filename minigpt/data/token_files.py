@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from minigpt.files import write_text_atomic
+from minigpt.files import read_json_object, write_text_atomic
 
 SPLITS = ("train", "val")
 
@@ -34,13 +34,13 @@ def split_path(data_dir: str | Path, split: str) -> Path:
 def load_meta(data_dir: str | Path) -> dict[str, Any]:
     """The meta.json of a prepared directory: tokenizer, token and story counts, source hashes."""
     path = Path(data_dir) / "meta.json"
+    missing = (f"{path} not found: {data_dir} is not a prepared data directory; run "
+               f"`python -m minigpt.data prepare`")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path} not found: {data_dir} is not a prepared data directory; run "
-                        f"`python -m minigpt.data prepare`") from None
-    except ValueError as error:
-        raise DataError(f"{path} is not valid JSON ({error}); prepare the data again") from None
+        return read_json_object(path, DataError, missing=missing)
+    except DataError as error:
+        raise DataError(str(error) if str(error) == missing
+                        else f"{error}; prepare the data again") from None
 
 
 def write_meta(data_dir: str | Path, meta: dict[str, Any]) -> None:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import minigpt.hub.peft as peft
 from minigpt import sharding
+from minigpt.checkpoint import CheckpointError
 from minigpt.config import ConfigError
+from minigpt.files import write_fault
 from minigpt.hub.architectures import HubError
 from minigpt.hub.convert import export_run, import_checkpoint
 from minigpt.runtime import log, plain_warnings, set_simulated_devices
@@ -50,8 +52,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with plain_warnings():
             return _run(args)
-    except (HubError, ConfigError, sharding.PresetError, TokenizerError) as error:
+    except (HubError, ConfigError, sharding.PresetError, TokenizerError,
+            CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a disk that fills, a folder made read-only
+        if write_fault(error) is None:
+            raise
+        print(f"error: {write_fault(error)}", file=sys.stderr)
         return 2
 
 

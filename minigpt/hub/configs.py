@@ -11,16 +11,33 @@ class that computes the model. Which tensors each architecture has is
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
-from minigpt.config import ConfigError, ModelConfig
+import numpy as np
+
+from minigpt.config import ConfigError, ModelConfig, check_value
 from minigpt.hub.architectures import HubError
 
+# The file being read, as refusals name it (the checkpoint's own config.json).
+_FILE = contextvars.ContextVar("config_file", default="config.json")
 
-def model_config(hf: dict[str, Any]) -> ModelConfig:
-    """Our model config from a Hugging Face config.json, refusing what we do not implement."""
+
+def model_config(hf: dict[str, Any], file: str = "config.json") -> ModelConfig:
+    """Our model config from a Hugging Face config.json (`file`, named in a refusal),
+    refusing what we do not implement."""
+    token = _FILE.set(str(file))
+    try:
+        return _model_config(hf)
+    finally:
+        _FILE.reset(token)
+
+
+def _model_config(hf: dict[str, Any]) -> ModelConfig:
     kind = hf.get("model_type")
     if kind == "gpt2":
         return _gpt2_config(hf)
@@ -37,11 +54,7 @@ def model_config(hf: dict[str, Any]) -> ModelConfig:
         _refuse(hf, "decoder_sparse_step", lambda v: v == 1,
                 "minigpt's mixture of experts makes every layer sparse")
         hf = {**hf, "sliding_window": None, "head_dim": hf.get("head_dim") or 128}
-        norm = hf.get("norm_topk_prob", False)
-        if not isinstance(norm, bool):
-            raise HubError(f"config.json has norm_topk_prob = {json.dumps(norm)}: expected "
-                           f"true or false")
-        return _llama_config(hf, qk_norm=True, norm_topk_prob=norm,
+        return _llama_config(hf, qk_norm=True, norm_topk_prob=_flag(hf, "norm_topk_prob", False),
                              **_experts(hf, "num_experts", "moe_intermediate_size"))
     if kind in ("qwen2", "qwen3"):
         _refuse(hf, "use_sliding_window", lambda v: not v,
@@ -55,33 +68,53 @@ def model_config(hf: dict[str, Any]) -> ModelConfig:
         if kind == "qwen2":
             return _llama_config({**hf, "attention_bias": False}, qkv_bias=True)
         return _llama_config({**hf, "head_dim": hf.get("head_dim") or 128}, qk_norm=True)
-    raise HubError(f"config.json has model_type {kind!r}: minigpt imports 'gpt2' "
+    raise HubError(f"{_FILE.get()} has model_type {kind!r}: minigpt imports 'gpt2' "
                    f"(GPT2LMHeadModel), 'llama' (LlamaForCausalLM: Llama 2 and 3, TinyLlama, "
                    f"SmolLM2), 'mistral', 'mixtral', 'qwen2', 'qwen3' and 'qwen3_moe'")
+
+
+def _typed(hf: dict[str, Any], field: str, kind: type) -> bool:
+    """Whether config.json's `field` is of `kind`, by the one type check every config value
+    passes (`minigpt.config.check_value`: ints not bools, finite numbers, true or false)."""
+    try:
+        check_value(field, kind, hf[field])
+    except ConfigError:
+        return False
+    return True
 
 
 def _number(hf: dict[str, Any], field: str, default: Any, kind: type = int) -> Any:
     """A number config.json gives (or its default): of the right type and positive, checked
     before any arithmetic is done with it."""
-    value = hf.get(field)
-    if value is None:
+    if hf.get(field) is None:
         return default
-    if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    else:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e30
-    if not ok:
-        raise HubError(f"config.json has {field} = {json.dumps(value)}: expected a positive "
-                       f"{'integer' if kind is int else 'number'}")
-    return value
+    if not (_typed(hf, field, kind) and 0 < hf[field] < 1e30):
+        raise HubError(f"{_FILE.get()} has {field} = {json.dumps(hf[field])}: expected a "
+                       f"positive {'integer' if kind is int else 'number'}")
+    return hf[field]
+
+
+def _flag(hf: dict[str, Any], field: str, default: bool) -> bool:
+    """A true-or-false field of config.json (or its default); a string such as "false" is
+    refused, not read as Python reads it (a non-empty string is true)."""
+    if hf.get(field) is None:
+        return default
+    if not _typed(hf, field, bool):
+        raise HubError(f"{_FILE.get()} has {field} = {json.dumps(hf[field])}: expected true or "
+                       f"false")
+    return hf[field]
 
 
 def _refuse(hf: dict[str, Any], field: str, allowed: Callable[[Any], bool], why: str) -> None:
     if field in hf and not allowed(hf[field]):
-        raise HubError(f"config.json has {field} = {json.dumps(hf[field])}: {why}")
+        raise HubError(f"{_FILE.get()} has {field} = {json.dumps(hf[field])}: {why}")
 
 
 def _gpt2_config(hf: dict[str, Any]) -> ModelConfig:
+    for field in ("scale_attn_weights", "tie_word_embeddings"):
+        _flag(hf, field, True)
+    for field in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
+        _flag(hf, field, False)
     _refuse(hf, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"),
             "minigpt's gpt2 uses the tanh approximation of GELU (gelu_new)")
     _refuse(hf, "scale_attn_weights", lambda v: v is True, "minigpt scales attention scores")
@@ -103,11 +136,12 @@ def _experts(hf: dict[str, Any], count: str, width: str) -> dict[str, Any]:
     writes the expert count as `num_local_experts` for both)."""
     experts = _number(hf, "num_local_experts", _number(hf, count, 0))
     if not experts:
-        raise HubError(f"config.json gives no {count}: how many experts?")
+        raise HubError(f"{_FILE.get()} gives no {count}: how many experts?")
     coef = hf.get("router_aux_loss_coef", 0.001)
-    if not isinstance(coef, int | float) or isinstance(coef, bool) or not 0 <= coef < 1e3:
-        raise HubError(f"config.json has router_aux_loss_coef = {json.dumps(coef)}: expected "
-                       f"a number >= 0")
+    if not (_typed(hf, "router_aux_loss_coef", float) if "router_aux_loss_coef" in hf
+            else True) or not 0 <= coef < 1e3:
+        raise HubError(f"{_FILE.get()} has router_aux_loss_coef = {json.dumps(coef)}: expected "
+                       f"a number from 0 to 1000")
     return {"num_experts": experts, "experts_per_token": _number(hf, "num_experts_per_tok", 2),
             "expert_mlp_dim": _number(hf, width, _number(hf, "intermediate_size", 0)),
             "router_aux_loss_coef": float(coef)}
@@ -115,6 +149,8 @@ def _experts(hf: dict[str, Any], count: str, width: str) -> dict[str, Any]:
 
 def _llama_config(hf: dict[str, Any], qk_norm: bool = False, qkv_bias: bool = False,
                   **experts: Any) -> ModelConfig:
+    for field in ("mlp_bias", "use_sliding_window"):
+        _flag(hf, field, False)
     _refuse(hf, "hidden_act", lambda v: v == "silu", "minigpt's llama uses SwiGLU with silu")
     _refuse(hf, "mlp_bias", lambda v: not v, "minigpt's llama has no MLP biases")
     D, N = _number(hf, "hidden_size", 4096), _number(hf, "num_attention_heads", 32)
@@ -122,10 +158,7 @@ def _llama_config(hf: dict[str, Any], qk_norm: bool = False, qkv_bias: bool = Fa
     _refuse(hf, "sliding_window", lambda v: v is None or (isinstance(v, int) and v >= context),
             "minigpt's llama attends to the whole context (a sliding window shorter than the "
             "context is not implemented)")
-    attention_bias = hf.get("attention_bias", False)
-    if not isinstance(attention_bias, bool):
-        raise HubError(f"config.json has attention_bias = {json.dumps(attention_bias)}: "
-                       f"expected true or false")
+    attention_bias = _flag(hf, "attention_bias", False)
     head_dim = _number(hf, "head_dim", D // N)
     return _built(arch="llama", vocab_size=_number(hf, "vocab_size", 32000),
                   context_len=context, embed_dim=D,
@@ -134,7 +167,7 @@ def _llama_config(hf: dict[str, Any], qk_norm: bool = False, qkv_bias: bool = Fa
                   num_layers=_number(hf, "num_hidden_layers", 32), dropout=0.0,
                   norm_eps=_number(hf, "rms_norm_eps", 1e-6, float),
                   head_size=0 if head_dim * N == D else head_dim,
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=qk_norm,
+                  tie_embeddings=_flag(hf, "tie_word_embeddings", False), qk_norm=qk_norm,
                   qkv_bias=qkv_bias or attention_bias, out_bias=attention_bias,
                   **_rope_fields(hf), **experts)
 
@@ -146,14 +179,14 @@ def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
     ("dynamic", "yarn", "longrope", ...) are refused by name."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise HubError(f"config.json has rope settings {json.dumps(rope)[:80]}: expected an "
+        raise HubError(f"{_FILE.get()} has rope settings {json.dumps(rope)[:80]}: expected an "
                        f"object")
     kind = rope.get("rope_type", rope.get("type", "default"))
     theta = _number(rope, "rope_theta", _number(hf, "rope_theta", 1e4, float), float)
     if kind == "default":
         return {"rope_theta": theta}
     if kind not in ("llama3", "linear"):
-        raise HubError(f"config.json has rope_type {json.dumps(kind)}: minigpt implements "
+        raise HubError(f"{_FILE.get()} has rope_type {json.dumps(kind)}: minigpt implements "
                        f"plain rotary embeddings and the 'llama3' and 'linear' scalings")
     fields = {"rope_theta": theta, "rope_scaling": kind,
               "rope_factor": _number(rope, "factor", 1.0, float)}
@@ -163,6 +196,39 @@ def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
                    "rope_original_context": _number(rope, "original_max_position_embeddings",
                                                     8192)}
     return fields
+
+
+HEAD, EMBEDDINGS = "lm_head.weight", ("model.embed_tokens.weight", "transformer.wte.weight",
+                                      "wte.weight")
+
+
+def head_as_transformers_reads(cfg: ModelConfig, checkpoint) -> ModelConfig:
+    """The config as transformers 5 applies `tie_word_embeddings` to the file's tensors: a tied
+    model whose file also holds an `lm_head.weight` different from the embedding is loaded
+    untied (transformers' `tie_weights` keeps both, with a warning), an equal one tied. A
+    llama then imports with its own head; minigpt's gpt2 always ties, and is refused."""
+    names = [n for n in EMBEDDINGS if n in checkpoint]
+    if not (cfg.tie_embeddings or cfg.arch == "gpt2") or HEAD not in checkpoint or not names:
+        return cfg
+    if _equal(checkpoint, HEAD, names[0]):
+        return cfg
+    if cfg.arch == "gpt2":
+        raise HubError(f"{_FILE.get()} ties the output head to the embedding, but the weights' "
+                       f"{HEAD} differs from {names[0]}: transformers keeps them apart, and "
+                       f"minigpt's gpt2 cannot (its head is its embedding)")
+    return dataclasses.replace(cfg, tie_embeddings=False)
+
+
+def _equal(checkpoint, a: str, b: str) -> bool:
+    """Whether two tensors of the file hold the same values (exactly, as torch.equal),
+    compared a block of rows at a time so neither is read whole."""
+    if checkpoint.shape(a) != checkpoint.shape(b):
+        return False
+    x, y = checkpoint[a], checkpoint[b]
+    rows = max(1, (1 << 22) // max(1, math.prod(x.shape[1:])))
+    return all(np.array_equal(np.asarray(x[i:i + rows], np.float32),
+                              np.asarray(y[i:i + rows], np.float32))
+               for i in range(0, x.shape[0], rows))
 
 
 def _experts_config(cfg: ModelConfig, llama: dict[str, Any]) -> dict[str, Any]:
@@ -194,7 +260,7 @@ def _built(**fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except ConfigError as error:
-        raise HubError(f"config.json describes a model minigpt cannot build: {error}") from None
+        raise HubError(f"{_FILE.get()} describes a model minigpt cannot build: {error}") from None
 
 
 def hf_config(cfg: ModelConfig, eos: int | list[int] | None,

@@ -37,10 +37,10 @@ from flax import nnx
 
 import minigpt.hub.tokenizer_export as tokenizer_export
 import minigpt.hub.tokenizer_files as tokenizer_files
-from minigpt import sharding
+from minigpt import runtime, sharding
 from minigpt.checkpoint import Checkpointer, key_names
 from minigpt.config import ModelConfig
-from minigpt.files import write_text_atomic
+from minigpt.files import first_line, read_json_object, write_text_atomic
 from minigpt.hub.architectures import (
     IGNORED_SUFFIXES,
     TENSORS,
@@ -51,7 +51,7 @@ from minigpt.hub.architectures import (
     to_hf,
     to_ours,
 )
-from minigpt.hub.configs import hf_config, model_config
+from minigpt.hub.configs import head_as_transformers_reads, hf_config, model_config
 from minigpt.hub.safetensors import Checkpoint, WeightsError, resolve_inside
 from minigpt.hub.safetensors import save as save_weights
 from minigpt.models import build_model, count_params
@@ -88,33 +88,21 @@ def fetch(source: str, revision: str | None = None) -> Path:
             f"{source}{f' at {revision}' if revision else ''} is not in the Hugging Face cache "
             f"and cannot be downloaded (offline: HF_HUB_OFFLINE=1, or no network): fetch it "
             f"once where there is a network, or give a local directory "
-            f"({_first_line(error)})") from None
+            f"({first_line(error)})") from None
     except (errors.RepositoryNotFoundError, errors.GatedRepoError) as error:
         raise HubError(f"the Hub has no repository {source} that this token may read (private "
-                       f"or gated ones need `hf auth login`): {_first_line(error)}") from None
+                       f"or gated ones need `hf auth login`): {first_line(error)}") from None
     except errors.RevisionNotFoundError:
         raise HubError(f"{source} has no revision {revision!r}") from None
     except (errors.HfHubHTTPError, OSError) as error:
-        raise HubError(f"cannot fetch {source} from the Hub: {_first_line(error)}") from None
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise HubError(f"cannot fetch {source} from the Hub: {first_line(error)}") from None
 
 
 def read_config(directory: Path) -> dict[str, Any]:
     """A Hugging Face config.json, which must be a JSON object (its fields are checked where
     they are read, `configs.model_config`)."""
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except FileNotFoundError:
-        raise HubError(f"{directory} has no config.json: is it a Hugging Face model "
-                       f"directory?") from None
-    except (OSError, ValueError) as error:
-        raise HubError(f"{directory / 'config.json'} is not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise HubError(f"{directory / 'config.json'} is not a JSON object")
-    return config
+    return read_json_object(directory / "config.json", HubError, missing=(
+        f"{directory} has no config.json: is it a Hugging Face model directory?"))
 
 
 class Source:
@@ -282,10 +270,18 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
     check_out(out)  # before a download, not only before writing
     directory = fetch(source, revision)
     hf = read_config(directory)
-    cfg = model_config(hf)
+    cfg = model_config(hf, directory / "config.json")
+    try:
+        cfg = head_as_transformers_reads(cfg, Checkpoint(directory))
+    except WeightsError as error:
+        raise HubError(str(error)) from None
     weights = Source(directory, cfg)
     preset = sharding.load_preset(preset_name)
     mesh = sharding.make_mesh(preset)
+    runtime.check_fits(preset, mesh, [nnx.state(nnx.eval_shape(
+        lambda: build_model(cfg, rngs=nnx.Rngs(0))))], what=f"the model of {directory}",
+        hint="import it under a preset that splits the weights (--preset fsdp), or on a "
+             "machine with more memory")
     with _new_directory(out) as staging:
         tokenizer = import_tokenizer(directory, hf, cfg, staging)
         cfg = dataclasses.replace(cfg, tokenizer=tokenizer)

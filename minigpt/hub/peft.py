@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +34,21 @@ import numpy as np
 from flax import nnx
 
 from minigpt.checkpoint import Checkpointer
-from minigpt.config import ModelConfig
+from minigpt.config import ConfigError, ModelConfig
 from minigpt.files import write_chunks_atomic, write_text_atomic
+from minigpt.hub.adapter_config import (
+    ALL_LINEAR,
+    CONFIG,
+    AdapterConfig,
+    matched,
+    read_adapter_config,
+)
 from minigpt.hub.architectures import TENSORS, HubError
 from minigpt.hub.convert import _new_directory, check_out
 from minigpt.hub.safetensors import SafetensorsFile, WeightsError, encode, resolve_inside
 from minigpt.models import lora
 from minigpt.runs import LOAD_ERRORS, RunDir, keep_vocabulary, load_run
 
-CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 READABLE = ("float32", "float16", "bfloat16")
@@ -158,67 +165,73 @@ def export_adapter(run: str | Path, out: str | Path) -> dict[str, Any]:
 
 # --- in ---------------------------------------------------------------------------------------
 
-def read_config(directory: Path, cfg: ModelConfig) -> tuple[lora.Adapters, dict[str, Any]]:
-    """The adapters an adapter_config.json describes, and the file's contents, refusing (by
-    name) what minigpt's LoRA does not compute."""
-    path = resolve_inside(directory, CONFIG, f"{directory}'s {CONFIG}")
+def read_config(directory: Path, cfg: ModelConfig) -> tuple[lora.Adapters, AdapterConfig]:
+    """The adapters a PEFT folder's adapter_config.json describes (checked at its door,
+    `adapter_config`), on the projections of this run's model its target_modules name as
+    PEFT matches them; refusing modules the model does not have as projections, and adapters
+    on some layers of a projection only (minigpt adapts a projection in every layer)."""
+    config = read_adapter_config(directory)
+    table = modules(cfg)
+    layers = {m.target: range(cfg.num_layers if m.stacked else 1) for m in table}
+    if config.targets == (ALL_LINEAR,):  # every linear layer but the output head, as PEFT
+        chosen = {m.target for m in table if m.name != "lm_head"}
+    else:
+        hits = {m.target: [i for i in layers[m.target]
+                           if matched(config.targets, m.name.format(i=i))] for m in table}
+        partial = sorted(t for t, found in hits.items() if 0 < len(found) < len(layers[t]))
+        if partial:
+            raise HubError(f"{config.path} adapts {partial[0]} in some layers only: minigpt "
+                           f"adapts a projection in every layer")
+        chosen = {t for t, found in hits.items() if found}
+        names = [m.name.format(i=i) for m in table for i in layers[m.target]]
+        unknown = [t for t in config.targets if not any(matched((t,), n) for n in names)]
+        if unknown:
+            raise HubError(f"{config.path} adapts {', '.join(unknown[:4])}, which minigpt's "
+                           f"{cfg.arch} does not have as projections (it has "
+                           f"{', '.join(sorted({m.name.rsplit('.', 1)[-1] for m in table}))})")
     try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HubError(f"{directory} has no {CONFIG}: is it a PEFT adapter folder?") from None
-    except (OSError, ValueError) as error:
-        raise HubError(f"{path} is not valid JSON ({error})") from None
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise HubError(f"{path} does not describe a LoRA adapter (peft_type "
-                       f"{config.get('peft_type') if isinstance(config, dict) else None!r})")
-    for field, plain in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False),
-                         ("modules_to_save", None), ("layers_to_transform", None),
-                         ("rank_pattern", {}), ("alpha_pattern", {})):
-        if config.get(field, plain) not in (plain, None, {}, False):
-            raise HubError(f"{path} sets {field} = {json.dumps(config[field])[:60]}: minigpt's "
-                           f"LoRA has one rank and scale for every adapter, no DoRA, biases or "
-                           f"extra trained modules")
-    r, alpha, names = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
-    if not (isinstance(r, int) and r > 0 and isinstance(alpha, int | float) and alpha > 0
-            and isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
-        raise HubError(f"{path} needs r (a positive integer), lora_alpha (a positive number) "
-                       f"and target_modules (a list of module names)")
-    ours = {m.name.rsplit(".", 1)[-1]: m.target for m in modules(cfg)}
-    unknown = sorted(set(names) - set(ours))
-    if unknown:
-        raise HubError(f"{path} adapts {', '.join(unknown[:4])}, which minigpt's {cfg.arch} "
-                       f"does not have as projections (it has {', '.join(sorted(ours))})")
-    # rsLoRA scales by alpha / sqrt(r): the same as alpha * sqrt(r) / r.
-    alpha = float(alpha) * (math.sqrt(r) if config.get("use_rslora") else 1.0)
-    dropout = config.get("lora_dropout", 0.0)
-    dropout = float(dropout) if isinstance(dropout, int | float) and 0 <= dropout < 1 else 0.0
-    return lora.Adapters(rank=r, alpha=alpha, targets=tuple(sorted(ours[n] for n in names)),
-                         dropout=dropout), config
+        adapters = lora.Adapters(rank=config.rank, alpha=config.alpha, dropout=config.dropout,
+                                 targets=tuple(sorted(chosen)))
+    except ConfigError as error:
+        raise HubError(f"{config.path}: {error}") from None
+    return adapters, config
 
 
-def _check_base(named: Any, base: Path) -> None:
-    """Refuse an adapter whose config names another base than the run's weights came from."""
+def _check_base(config: AdapterConfig, base: Path, say) -> str:
+    """Refuse an adapter whose config names another base than the run's weights came from;
+    returns how they were matched (config.json records it). A name, a path or a Hub id equal
+    to what the base run was imported from (or the same folder) is the same base; the same
+    folder name alone (a copy elsewhere, a Hub id beside a local folder) is taken, and said:
+    adapter_config.json carries no fingerprint of its base, so nothing more can be compared
+    than the name, the revision and the tensors' shapes (checked before anything is read)."""
     imported = RunDir(base).read().imported or {}
     known = {k for k in (imported.get("source"), imported.get("directory")) if k} or {
         str(base.absolute())}
-    if not named:
-        return  # PEFT writes none for a base built in memory
-    if not isinstance(named, str):
-        raise HubError(f"{CONFIG} has base_model_name_or_path {json.dumps(named)[:60]}: "
-                       f"expected a name")
-    same = named in known or Path(named).name in {Path(k).name for k in known} or any(
-        Path(named).exists() and Path(k).exists() and Path(named).resolve() == Path(k).resolve()
-        for k in known)
-    if not same:
-        raise HubError(f"the adapter was made for {named!r}, but {base} holds the weights of "
-                       f"{sorted(known)[0]!r}: import it onto a run of its own base")
+    if not config.base:
+        return "unnamed"  # PEFT writes none for a base built in memory
+    theirs, ours = config.revision, imported.get("revision")
+    if theirs and ours and theirs != ours:
+        raise HubError(f"{config.path} names its base {config.base!r} at revision {theirs!r}, "
+                       f"but {base} holds revision {ours!r}: import the base at that revision")
+    if config.base in known or any(
+            Path(config.base).exists() and Path(k).exists()
+            and Path(config.base).resolve() == Path(k).resolve() for k in known):
+        return "name"
+    if Path(config.base).name in {Path(k).name for k in known}:
+        say(f"note: the adapter names its base {config.base!r} and {base} was imported from "
+            f"{sorted(known)[0]!r}: matched by folder name and tensor shapes only")
+        return "folder name and shapes"
+    raise HubError(f"{config.path}: the adapter was made for {config.base!r} (its "
+                   f"base_model_name_or_path), but {base} holds the weights of "
+                   f"{sorted(known)[0]!r}: import it onto a run of its own base")
 
 
 def import_adapter(source: str | Path, base: str | Path, out: str | Path, *,
                    preset_name: str = "dp") -> dict[str, Any]:
     """A new run `out` holding the weights of `base` (a run imported from the adapter's base
     model) and the PEFT adapter in folder `source`, at step 0 without optimizer state; returns
-    a summary. Everything is checked before `out` is written."""
+    a summary. Everything is checked before `out` is written, and the adapter's sizes (its rank,
+    the tensors' shapes) before anything is allocated."""
     source, base, out = Path(source), Path(base), Path(out)
     check_out(out)
     if not source.is_dir():
@@ -230,18 +243,19 @@ def import_adapter(source: str | Path, base: str | Path, out: str | Path, *,
             raise HubError(f"--base {base} carries adapters of its own: give the run of the "
                            f"base model itself")
         adapters, config = read_config(source, saved.model)
-        _check_base(config.get("base_model_name_or_path"), base)
+        matched_by = _check_base(config, base, lambda m: warnings.warn(m, stacklevel=2))
         weights = SafetensorsFile(resolve_inside(source, WEIGHTS, f"{source}'s {WEIGHTS}"))
+        _check_weights(weights, saved.model, adapters, source)
         loaded = load_run(base, preset_name)
     except (*LOAD_ERRORS, WeightsError) as error:
         raise HubError(str(error)) from None
     model, cfg = loaded.model, loaded.config
     lora.attach(model, adapters, key=jax.random.key(0))
-    _read_weights(weights, model, cfg, source)
+    _read_weights(weights, model, cfg)
     with _new_directory(out) as staging:
         tokenizer = keep_vocabulary(cfg.tokenizer, base, staging)
         record = {"source": str(source), "base": str(base.absolute()),
-                  "peft_version": config.get("peft_version")}
+                  "peft_version": config.peft_version, "base_matched_by": matched_by}
         RunDir(staging).write(dataclasses.replace(cfg, tokenizer=tokenizer), None,
                               imported=record,
                               adapters={**adapters.record(), "base": str(base.absolute())})
@@ -252,33 +266,39 @@ def import_adapter(source: str | Path, base: str | Path, out: str | Path, *,
     return {"out": out, "adapters": adapters, "tensors": len(weights.keys())}
 
 
-def _read_weights(weights: SafetensorsFile, model: nnx.Module, cfg: ModelConfig,
-                  source: Path) -> None:
-    """Every adapter of `model` from the PEFT file, each name, shape and dtype checked first,
-    and nothing left over; each array replicated on the mesh its kernel is on."""
-    wanted, reads = set(), []
-    for module, adapter in _by_path(model, cfg):
-        layers = cfg.num_layers if module.stacked else 1
-        shapes = [tuple(p.shape[1:] if module.stacked else p.shape)
-                  for p in (adapter.a, adapter.b)]
-        for i in range(layers):
-            for key, shape in zip(module.keys(i), ((shapes[0][-1], module.features[1]),
-                                                   (module.features[0], shapes[0][-1]))):
+def _check_weights(weights: SafetensorsFile, cfg: ModelConfig, adapters: lora.Adapters,
+                   source: Path) -> None:
+    """Every tensor the adapters need is in the file with PEFT's shape for their rank (lora_A
+    [r, in], lora_B [out, r]) and a float dtype, and nothing is left over: checked from the
+    header alone, before any array exists."""
+    wanted = set()
+    for module in (m for m in modules(cfg) if m.target in adapters.targets):
+        out_features, in_features = module.features
+        for i in range(cfg.num_layers if module.stacked else 1):
+            for key, shape in zip(module.keys(i), ((adapters.rank, in_features),
+                                                   (out_features, adapters.rank))):
                 if key not in weights:
                     raise HubError(f"{source / WEIGHTS} lacks {key}")
                 if weights.shape(key) != shape or str(weights.dtype(key)) not in READABLE:
                     raise HubError(f"{source / WEIGHTS}: {key} is {weights.dtype(key)} "
-                                   f"{list(weights.shape(key))}, but the adapter of this run's "
-                                   f"model needs float {list(shape)}: it was made for another "
-                                   f"base model")
+                                   f"{list(weights.shape(key))}, but a rank-{adapters.rank} "
+                                   f"adapter of this run's model needs float {list(shape)}: it "
+                                   f"was made for another base model, or its r is wrong")
                 wanted.add(key)
-        reads.append((module, adapter, shapes, layers))
     extra = sorted(set(weights.keys()) - wanted)
     if extra:
         raise HubError(f"{source / WEIGHTS} holds tensors this adapter config does not "
                        f"describe ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})")
+
+
+def _read_weights(weights: SafetensorsFile, model: nnx.Module, cfg: ModelConfig) -> None:
+    """Every adapter of `model` from the PEFT file (checked by `_check_weights`), each array
+    replicated on the mesh its kernel is on."""
     replicated = jax.NamedSharding(jax.tree.leaves(nnx.state(model))[0].sharding.mesh, jax.P())
-    for module, adapter, (a_shape, b_shape), layers in reads:
+    for module, adapter in _by_path(model, cfg):
+        layers = cfg.num_layers if module.stacked else 1
+        a_shape, b_shape = (tuple(p.shape[1:] if module.stacked else p.shape)
+                            for p in (adapter.a, adapter.b))
         pairs = [to_ours(*(np.asarray(weights[k], np.float32) for k in module.keys(i)),
                          a_shape, b_shape) for i in range(layers)]
         for param, values in zip((adapter.a, adapter.b), zip(*pairs)):

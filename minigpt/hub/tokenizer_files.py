@@ -19,9 +19,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from minigpt.files import write_text_atomic
+from minigpt.files import read_json_object, write_text_atomic
 from minigpt.hub.architectures import HubError
-from minigpt.tokenizer import HFTokenizer, TokenizerError
+from minigpt.tokenizer import HFTokenizer, TokenizerError, token_ids
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -40,14 +40,16 @@ def import_tokenizer_files(directory: Path, hf_config: dict[str, Any], run: Path
         path = directory / name
         if path.is_file() or path.is_symlink():
             shutil.copyfile(inside(path, name), folder / name)
-    generation = _json_object(folder / "generation_config.json")
-    added = {f"{role}_token_id": hf_config[f"{role}_token_id"] for role in ("bos", "eos")
-             if f"{role}_token_id" not in generation
-             and hf_config.get(f"{role}_token_id") is not None}
-    if added:
-        write_text_atomic(folder / "generation_config.json",
-                          json.dumps({**generation, **added}, indent=2) + "\n")
-    try:
+    try:  # the copies are read; a refusal names the checkpoint's own files
+        generation = read_json_object(folder / "generation_config.json", TokenizerError)
+        added = {f"{role}_token_id": hf_config[f"{role}_token_id"] for role in ("bos", "eos")
+                 if f"{role}_token_id" not in generation
+                 and hf_config.get(f"{role}_token_id") is not None}
+        for field, value in added.items():  # checked where they came from, before writing
+            token_ids(value, f"{directory / 'config.json'}: {field}")
+        if added:
+            write_text_atomic(folder / "generation_config.json",
+                              json.dumps({**generation, **added}, indent=2) + "\n")
         tokenizer = HFTokenizer(folder)
     except TokenizerError as error:
         raise HubError(str(error).replace(str(folder), str(directory))) from None
@@ -83,21 +85,9 @@ def special_ids(tokenizer) -> dict[str, Any]:
     """The begin and end ids config.json carries for a tokenizer: `bos_token_id` (or None) and
     `eos_token_id` (one id, or the list of them an imported checkpoint had)."""
     if isinstance(tokenizer, HFTokenizer):
-        generation = _json_object(tokenizer.folder / "generation_config.json")
+        generation = read_json_object(tokenizer.folder / "generation_config.json", HubError)
         stops = list(tokenizer.stop_tokens)
         eos = generation.get("eos_token_id", stops[0] if len(stops) == 1 else stops or None)
         bos = generation.get("bos_token_id", tokenizer.bos_token)
         return {"bos_token_id": bos, "eos_token_id": eos}
     return {"bos_token_id": None, "eos_token_id": tokenizer.eot_token}
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as error:
-        raise HubError(f"{path} is not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise HubError(f"{path} is not a JSON object")
-    return value

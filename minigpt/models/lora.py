@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import json
 import math
 import zlib
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt.config import LORA_TARGETS, ConfigError
+from minigpt.config import LORA_TARGETS, ConfigError, check_value
 from minigpt.models.layers import Dense, dropout, fold_keys
 from minigpt.models.moe import STACKED_EXPERTS
 from minigpt.sharding import constrain
@@ -69,16 +70,29 @@ class Adapters:
         """As config.json records it (`from_record` reads it back)."""
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
 
+    def __post_init__(self) -> None:
+        """The checks of the train.lora_* fields, for adapters however they arrive (a run's
+        config.json, a PEFT adapter_config.json): typed, finite, in range. Which projections
+        the targets name is checked against the model (`check_targets`)."""
+        for name, kind in (("rank", int), ("alpha", float), ("dropout", float),
+                           ("targets", tuple[str, ...])):
+            check_value(f"adapters.{name}", kind, getattr(self, name))
+        if self.rank <= 0 or self.alpha <= 0 or not 0 <= self.dropout < 1 or not self.targets:
+            raise ConfigError(f"adapters need a rank > 0, an alpha > 0, a dropout in [0, 1) and "
+                              f"targets; got {self.rank}, {self.alpha}, {self.dropout} and "
+                              f"{list(self.targets)}")
+
     @classmethod
     def from_record(cls, record: dict[str, Any] | None) -> Adapters | None:
+        """The adapters config.json's "adapters" entry describes (None: none), checked."""
         if not record:
             return None
-        try:
-            return cls(rank=int(record["rank"]), alpha=float(record["alpha"]),
-                       targets=tuple(str(t) for t in record["targets"]))
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"config.json's adapters entry {record!r} is not rank, alpha and "
-                              f"targets") from None
+        if not isinstance(record, dict) or not {"rank", "alpha", "targets"} <= set(record):
+            raise ConfigError(f"config.json's adapters entry {json.dumps(record)[:80]} is not "
+                              f"rank, alpha and targets")
+        targets = record["targets"]
+        return cls(rank=record["rank"], alpha=record["alpha"],
+                   targets=tuple(targets) if isinstance(targets, list) else targets)
 
 
 _keys: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("lora_keys",

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from minigpt import runtime
 from minigpt.checkpoint import restore_weights
 from minigpt.config import ModelConfig, TrainConfig
 from minigpt.models import build_model, lora
@@ -35,13 +36,25 @@ def requested(cfg: TrainConfig) -> lora.Adapters | None:
                          dropout=cfg.lora_dropout)
 
 
-def check(model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
-    """Refuse targets that name no projection of the model (a ConfigError saying which it
-    has), from the model's shapes alone."""
+def check(model_cfg: ModelConfig, train_cfg: TrainConfig, preset, mesh) -> None:
+    """Refuse, from shapes alone and before anything is allocated (ConfigError, one line):
+    targets that name no projection of the model (saying which it has), and a model whose
+    weights, gradients and optimizer state cannot fit the devices under the preset
+    (`runtime.check_fits`), naming the adapters' rank where they are what does not fit."""
     wanted = requested(train_cfg)
-    if wanted is not None:
-        model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
-        lora.check_targets(model, wanted.targets, model_cfg.arch)
+    if wanted is not None:  # named by the model's architecture, before adapters are attached
+        plain = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+        lora.check_targets(plain, wanted.targets, model_cfg.arch)
+    model, optimizer = nnx.eval_shape(lambda: build(model_cfg, train_cfg))
+    states = [nnx.state(model), nnx.state(model, lora.trainable(model)), nnx.state(optimizer)]
+    if wanted is None:
+        what, hint = (f"the model ({model_cfg.arch}, {model_cfg.num_layers} layers of width "
+                      f"{model_cfg.embed_dim})", "choose a smaller model, or a preset that "
+                      "splits the weights over more devices (fsdp)")
+    else:
+        what, hint = (f"train.lora_rank={wanted.rank}", "a rank between 4 and 64 is usual, and "
+                      "a rank above the width of the projections it adapts adds nothing")
+    runtime.check_fits(preset, mesh, states, what=what, hint=hint)
 
 
 def build(model_cfg: ModelConfig, train_cfg: TrainConfig, *,

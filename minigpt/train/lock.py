@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from minigpt.runs import LOCK
 
 LOCK_NAME = LOCK  # trainer.lock, named by minigpt.runs
+GARBAGE: dict[str, Any] = {"garbage": True}  # what an unreadable lock holds, by identity
 HEARTBEAT = 10.0
 STALE_AFTER = 60.0
 
@@ -98,20 +99,30 @@ class RunLock:
             json.dump(self._content(), f)
         return True
 
-    def _holder(self) -> dict[str, Any] | None:
-        """What the lock file says, {} if it cannot be read (being written), None if gone.
-        Anything that is not a lock minigpt writes (a directory, a JSON list...) is refused
-        and left as it is: it is the user's, not a trainer's."""
+    def _holder(self, path: Path | None = None) -> dict[str, Any] | None:
+        """What the lock file says: {} if it cannot be read yet (being written), GARBAGE if
+        it never will be (bytes that are no lock's beginning: no JSON object, or a host and pid
+        of the wrong types), None if gone. Anything else that is not a lock minigpt writes (a
+        directory, a JSON list...) is refused and left as it is: it is the user's."""
+        path = path or self.path
         try:
-            if not self.path.is_file() and self.path.exists():
+            if not path.is_file() and path.exists():
                 raise self._foreign("is not a file")
-            holder = json.loads(self.path.read_text())
+            raw = path.read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
+        except OSError:
             return {}
+        try:
+            holder = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, RecursionError):
+            return GARBAGE
+        except ValueError:  # a lock being written begins with "{"; what does not, never will
+            return {} if raw.lstrip()[:1] in (b"", b"{") else GARBAGE
         if not isinstance(holder, dict) or not {"host", "pid"} <= set(holder):
             raise self._foreign("does not hold what a minigpt trainer writes (its host and pid)")
+        if not isinstance(holder["host"], str) or not isinstance(holder["pid"], int):
+            return GARBAGE
         return holder
 
     def _foreign(self, why: str) -> RunLocked:
@@ -125,6 +136,8 @@ class RunLock:
         return float("inf")
 
     def _gone(self, holder: dict[str, Any]) -> bool:
+        if holder is GARBAGE:  # no trainer wrote this, or one was cut off mid-write long ago
+            return True
         if not holder:  # unreadable: being written this instant, or its writer died doing it
             return self._age() > 5.0
         if holder.get("host") == socket.gethostname():
@@ -132,23 +145,35 @@ class RunLock:
         return self._age() > self.stale_after
 
     def acquire(self) -> RunLock:
-        """Take the lock, or raise RunLocked naming the holder."""
+        """Take the lock, or raise RunLocked naming the holder (or the reason it cannot be
+        written: a read-only or full disk, a folder of someone else's)."""
         self._made_directory = not self.path.parent.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(10):
-            if self._create():
-                self._start_heartbeat()
-                return self
-            holder = self._holder()
-            if holder is None:
-                continue  # released meanwhile: try again
-            if not self._gone(holder):
-                raise RunLocked(
-                    f"{self.path.parent} is being trained by {describe(holder)}: wait for it to "
-                    f"finish or stop it; if that process is gone for good, delete {self.path}")
-            self._take_over(holder)
+        try:
+            for _ in range(10):
+                if self._try():
+                    self._start_heartbeat()
+                    return self
+        except OSError as error:
+            raise RunLocked(f"cannot write {self.path} ({error.strerror}): a run is trained in a "
+                            f"directory it may write") from None
         raise RunLocked(f"could not take {self.path} after several tries: other trainers are "
                         f"starting on this run at the same time")
+
+    def _try(self) -> bool:
+        """One attempt: create the lock, or take over a gone holder's (then False: try
+        again); RunLocked where a live trainer holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self._create():
+            return True
+        holder = self._holder()
+        if holder is None:
+            return False  # released meanwhile: try again
+        if not self._gone(holder):
+            raise RunLocked(
+                f"{self.path.parent} is being trained by {describe(holder)}: wait for it to "
+                f"finish or stop it; if that process is gone for good, delete {self.path}")
+        self._take_over(holder)
+        return False
 
     def _take_over(self, holder: dict[str, Any]) -> None:
         """Remove a gone holder's lock file, unless another trainer replaced it meanwhile."""
@@ -157,11 +182,10 @@ class RunLock:
             os.rename(self.path, aside)  # of several trainers doing this, one succeeds
         except FileNotFoundError:
             return
-        try:
-            moved = json.loads(aside.read_text())
-        except (OSError, ValueError):
-            moved = {}
-        if moved == holder:
+        moved = None
+        with contextlib.suppress(OSError, RunLocked):
+            moved = self._holder(aside)
+        if moved == holder or (holder is GARBAGE and moved is GARBAGE):
             self.took_over = holder
         else:  # a fresh lock another trainer wrote after we looked: give it back
             with contextlib.suppress(FileExistsError):
@@ -218,8 +242,11 @@ def hold_run_lock(run_dir: str | Path, say: Callable[[str], Any] = print) -> Ite
     if error is not None:
         raise error
     try:
-        if lock.took_over:
+        if lock.took_over is not None and {"host", "pid"} <= set(lock.took_over):
             say(f"took over {lock.path}: its holder, {describe(lock.took_over)}, is gone")
+        elif lock.took_over is not None:
+            say(f"took over {lock.path}: it held no lock a trainer could read (garbage, or a "
+                f"trainer stopped while writing it)")
         yield lock
     finally:
         if jax.process_index() == 0:

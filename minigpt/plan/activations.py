@@ -90,7 +90,8 @@ class BlockTracer:
             H = cfg.head_dim
             own = positions * H * (2 * split.heads + 2 * split.kv_heads) * a \
                 + positions * split.heads * F32  # q, k, v, out and the log-sum-exp
-            saved, largest = rest + own, max(largest * positions // sequence, own)
+            # the largest residual left: at most what is left (attention's may have been it)
+            saved, largest = rest + own, max(min(largest * positions // sequence, rest), own // 4)
             narrow = narrow * positions // sequence
         x = positions * cfg.embed_dim * jnp.dtype(cfg.dtype).itemsize
         return LayerTrace(saved=saved, largest=largest, input=x, fixed=fixed, narrow=narrow)

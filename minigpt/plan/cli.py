@@ -169,15 +169,19 @@ def report(estimates: list[planner.Estimate], model_cfg: ModelConfig, train_cfg:
            headroom: float) -> list[str]:
     """The table: presets that apply, fastest first, then those that do not and why."""
     seq = train_cfg.seq_len or model_cfg.context_len
+    dtype = model_cfg.dtype if model_cfg.dtype != "auto" else (
+        "float32" if dev.platform == "cpu" else "bfloat16")  # as it computes on that device
     lines = [f"model {train_cfg.model} ({model_cfg.arch}, {model_cfg.num_layers} layers, width "
-             f"{model_cfg.embed_dim}, {model_cfg.dtype}{', remat' if model_cfg.remat else ''}"
+             f"{model_cfg.embed_dim}, {dtype}{', remat' if model_cfg.remat else ''}"
              f"{f', LoRA rank {train_cfg.lora_rank}' if train_cfg.lora_rank else ''}); batch "
              f"{train_cfg.batch_size} x {seq} tokens"
              + (f" in {train_cfg.microbatches} microbatches" if train_cfg.microbatches > 1
                 else ""),
              f"{devices} devices of {format_size(memory)} ({memory_source}); fits: total at "
              f"most {1 - headroom:.0%} of it; speed: {dev.describe()}", ""]
-    applying = sorted((e for e in estimates if e.applies), key=lambda e: e.speed.seconds)
+    # Those that fit first, each group fastest first: the top row is what --preset auto picks.
+    applying = sorted((e for e in estimates if e.applies),
+                      key=lambda e: (not e.fits, e.speed.seconds))
     compiled = any(e.compiled_total for e in applying)
     header = ["preset", "mesh", "parameters", "gradients", "optimizer", "activations",
               "largest temp", "total", "fits", "step (est.)"]

@@ -182,7 +182,12 @@ def _expert_copies(layout: Layout, held: Held, cfg: ModelConfig) -> int:
         layout.ways("expert") > 1
     gathered = whole if (travel or local < whole) else 0
     copies = 0 if cfg.scan_layers else 2 * (local if travel else whole)
-    return gathered + copies
+    # Travelling tokens pass through buffers of twice an even share of the assignments
+    # (`minigpt.parallel.experts.SLACK`), through this device's experts, while the fallback
+    # that gathers the weights keeps its own: both branches' residuals are kept.
+    assignments = layout.rows * layout.positions * cfg.experts_per_token
+    rows = 2 * assignments * (cfg.embed_dim + 3 * layout.mlp) * act_bytes(cfg) if travel else 0
+    return gathered + copies + cfg.num_layers * rows
 
 
 def _table_gradient(held: Held) -> int:
@@ -218,22 +223,37 @@ def loss_bytes(subject: Subject, layout: Layout, held: Held, *,
     shards = layout.seq_ways if T % layout.seq_ways == 0 else 1
     c = _chunk_len(B * shards, T // shards, V)
     logits = (B // layout.batch_ways) * c * layout.vocab * F32
+    # Where the rules split the head's vocabulary over some of the rows' devices and the rows
+    # over others too (fsdp_cp, fsdp_ep), XLA keeps each device's logits beside those of the
+    # rows' other devices, and three such chunks (the logits, their exponentials and the
+    # gradient) rather than a product beside the accumulator.
+    beside = _rows_beside(layout, head)
     if V <= fused.SMALL_VOCAB and B * T * V <= fused.HOISTED_LOGITS:  # gradients kept whole
-        whole = layout.rows * t * layout.vocab * F32
-        return {"logit gradients": whole, "logits": logits,
+        whole = layout.rows * t * layout.vocab * F32 * beside
+        return {"logit gradients": whole * (2 if beside > 1 else 1), "logits": logits,
                 "head gradient accumulator": 2 * accumulator, "gathered head": gathered,
                 "largest logits": whole}
-    if layout.seq_ways > 1 and head is not None and \
-            set(sharding.mesh_axes_in(head["spec"][0])) & _row_axes(layout):
-        # The head's vocabulary split over the rows' devices, with the sequence split too: XLA
-        # lays the logits out by vocabulary, each device's rows beside those of its sequence's
-        # other devices, and keeps three such chunks (the logits, their exponentials and the
-        # gradient) rather than a product beside the accumulator.
-        logits *= layout.seq_ways
+    if beside > 1:
+        logits *= beside
         return {"logits": 3 * logits, "head gradient accumulator": accumulator,
                 "gathered head": gathered, "largest logits": logits}
-    return {"logits": logits, "head gradient accumulator": 2 * accumulator,
-            "gathered head": gathered, "largest logits": logits}
+    # A frozen head (adapters train alone): no gradient to accumulate, and the chunk's logits,
+    # their exponentials and their gradient all live at once.
+    return {"logits": logits if trained else 3 * logits,
+            "head gradient accumulator": 2 * accumulator, "gathered head": gathered,
+            "largest logits": logits}
+
+
+def _rows_beside(layout: Layout, head: dict | None) -> int:
+    """Over how many devices each device's rows of the loss are kept beside the others': those
+    of the rows' devices that do not split the head's vocabulary, where some do."""
+    if head is None:
+        return 1
+    rows = _row_axes(layout)
+    vocab = set(sharding.mesh_axes_in(head["spec"][0])) & rows
+    if not vocab:
+        return 1
+    return math.prod(layout.mesh.shape[a] for a in rows - vocab)
 
 
 def _chunk_len(batch: int, seq: int, vocab: int) -> int:

@@ -16,7 +16,7 @@ runs XLA's attention instead:
   causality as a block mask whose empty blocks it skips, documents as segment ids, grouped heads
   as they are; for sequences that cut into its 128-position blocks. A Pallas kernel is not
   partitioned by the compiler, so under a preset that splits the batch or the heads over
-  devices it runs inside a `shard_map` over them, each device on its own rows and heads.
+  devices each device runs it on its own rows and heads (`parallel.attention_on_each_device`).
 
 Neither is used by the context-parallel ring (`minigpt.parallel.ring` says why).
 """
@@ -28,9 +28,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from minigpt import sharding
+from minigpt import parallel
 from minigpt.models.masks import same_document
-from minigpt.sharding.presets import mesh_axes_in, resolve_spec
 
 # Splash's query and key blocks (its default block sizes): a sequence must cut into them.
 SPLASH_BLOCK = 128
@@ -70,37 +69,10 @@ def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, segments: jax.Array | No
     except ImportError as error:
         raise Refused(f"Splash attention is not importable here ({error})") from None
     local = functools.partial(_splash_local, interpret=interpret)
-    args = (q, k, v) if segments is None else (q, k, v, segments)
-    specs = _splash_specs(q, k)
-    try:
-        if specs is None:  # nothing split: the kernel sees the whole arrays
-            return local(*args)
-        q_spec, kv_spec, axes = specs
-        seg_spec = jax.P(q_spec[0], None)
-        # check_vma off: a Pallas call does not say how its output varies over the mesh axes.
-        return jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec, seg_spec)[:len(args)],
-                             out_specs=q_spec, axis_names=axes, check_vma=False)(*args)
+    try:  # a Pallas call is not partitioned by the compiler: each device runs its own share
+        return parallel.attention_on_each_device(local, q, k, v, segments)
     except REFUSALS as error:
         raise Refused(f"{type(error).__name__}: {error}") from None
-
-
-def _splash_specs(q: jax.Array, k: jax.Array):
-    """(q's spec, k's and v's, the mesh axes they use) where the active rules split the batch
-    or the heads over devices; None where nothing is split. Refused where the sequence or the
-    head features are split, or the query heads and the key/value heads are split unlike (a
-    device's query heads must find their key/value heads on the same device)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    rules = sharding.active().rules
-    if mesh.empty or not rules:
-        return None
-    q_spec = resolve_spec(("batch", "seq", "heads", "kv"), rules, q.shape, mesh)
-    kv_spec = resolve_spec(("batch", "seq", "kv_heads", "kv"), rules, k.shape, mesh)
-    if q_spec[1] or q_spec[3] or kv_spec[1] or kv_spec[3]:
-        raise Refused("the preset splits the sequence or the head features over devices")
-    if q_spec[2] != kv_spec[2] or q_spec[0] != kv_spec[0]:
-        raise Refused("the preset splits the query heads and the key/value heads unlike")
-    axes = {a for entry in q_spec for a in mesh_axes_in(entry)}
-    return (q_spec, kv_spec, axes) if axes else None
 
 
 @functools.cache

@@ -12,9 +12,12 @@ mesh axis; the axis comes from the rules (`minigpt.sharding`).
   the online-softmax arithmetic of one pair of chunks both share.
 - `experts`: a mixture of experts' dropless dispatch over the `expert` axis: each device sorts
   its tokens by expert, and the rows travel to their experts' devices and back by all-to-all.
+- `local`: kernels the compiler cannot partition (Splash attention, a Pallas call), run on each
+  device's rows and heads.
 """
 
 from minigpt.parallel.blocks import TILE
+from minigpt.parallel.local import NotLocal, attention_on_each_device
 from minigpt.parallel.ring import (
     Ring,
     active_ring,
@@ -24,5 +27,5 @@ from minigpt.parallel.ring import (
     sequence_order,
 )
 
-__all__ = ["TILE", "Ring", "active_ring", "causal_attention", "check_length", "dual_chunk_order",
-           "sequence_order"]
+__all__ = ["TILE", "NotLocal", "Ring", "active_ring", "attention_on_each_device",
+           "causal_attention", "check_length", "dual_chunk_order", "sequence_order"]

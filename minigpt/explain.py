@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mesh = sharding.make_mesh(preset)
         train_cfg = TrainConfig(lora_rank=args.lora_rank, lora_targets=tuple(
             t for t in args.lora_targets.split(",") if t))
-        adapters.check(cfg, train_cfg)
+        adapters.check(cfg, train_cfg, preset, mesh)
         model, optimizer = nnx.eval_shape(lambda: adapters.build(cfg, train_cfg))
         sharding.check_divisible(preset, mesh, nnx.state(model))
         settings = sharding.check_layout(

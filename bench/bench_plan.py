@@ -156,8 +156,7 @@ def speed_worker(spec: dict) -> dict:
     model_cfg = get_config(spec["model"])
     train_cfg = TrainConfig(model=spec["model"], batch_size=spec["batch"], seq_len=spec["seq"],
                             document_mask=False)
-    device = plan.device(None, model_cfg.dtype, DEVICES)
-    estimate = plan.estimate(model_cfg, train_cfg, spec["preset"], DEVICES, device=device)
+    estimate = plan.estimate(model_cfg, train_cfg, spec["preset"], DEVICES)
     preset = sharding.load_preset(spec["preset"])
     mesh = sharding.make_mesh(preset)
     model, optimizer = sharding.create_sharded(lambda: adapters.build(model_cfg, train_cfg),
@@ -170,9 +169,28 @@ def speed_worker(spec: dict) -> dict:
         rates, key = lr_schedule.lr_schedule(train_cfg), jax.random.key(0)
         seconds, _ = timed(lambda: steps.train_step(model, optimizer, batch, key, rates),
                            spec["steps"])
-    return {**spec, "estimated": estimate.speed.seconds, "measured": statistics.median(seconds),
-            "compute": estimate.speed.compute, "memory": estimate.speed.memory,
-            "communication": estimate.speed.communication, "device": device.describe()}
+    return {**spec, "measured": statistics.median(seconds)}
+
+
+def estimated(rows: list[dict]) -> list[dict]:
+    """The planner's estimates for the timed configurations, all in this process: one
+    measurement of the machine's peak and bandwidth for every preset, as a plan makes them."""
+    from minigpt import plan
+    from minigpt.config import TrainConfig
+    from minigpt.models import get_config
+
+    device = plan.device("cpu", "float32", DEVICES)
+    out = []
+    for row in rows:
+        model_cfg = get_config(row["model"])
+        train_cfg = TrainConfig(model=row["model"], batch_size=row["batch"], seq_len=row["seq"],
+                                document_mask=False)
+        speed = plan.estimate(model_cfg, train_cfg, row["preset"], DEVICES,
+                              device=device).speed
+        out.append({**row, "estimated": speed.seconds, "compute": speed.compute,
+                    "memory": speed.memory, "communication": speed.communication,
+                    "device": device.describe()})
+    return out
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -202,7 +220,7 @@ def speed(batch: int, seq: int, steps: int) -> list[dict]:
                                  env=env, capture_output=True, text=True, check=True).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    return rows
+    return estimated(rows)
 
 
 def report_grid(rows: list[dict]) -> None:
@@ -256,12 +274,12 @@ def main() -> None:
     if args.what == "worker":
         print(json.dumps(speed_worker(json.loads(args.spec))))
         return
-    if args.what == "speed":
-        report_speed(speed(args.batch, args.seq, args.steps))
-        return
     from minigpt.runtime import set_simulated_devices
 
     set_simulated_devices(DEVICES)
+    if args.what == "speed":
+        report_speed(speed(args.batch, args.seq, args.steps))
+        return
     first, _, last = args.cases.partition("-")
     indices = (list(range(int(first), int(last or first) + 1)) if args.cases
                else list(range(len(GRID))))

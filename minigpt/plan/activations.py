@@ -90,30 +90,33 @@ class BlockTracer:
             H = cfg.head_dim
             own = positions * H * (2 * split.heads + 2 * split.kv_heads) * a \
                 + positions * split.heads * F32  # q, k, v, out and the log-sum-exp
-            # the largest residual left: at most what is left (attention's may have been it)
-            saved, largest = rest + own, max(min(largest * positions // sequence, rest), own // 4)
+            # the largest residual left, attention's gone: the feed-forward's hidden layer's
+            largest = max(positions * max(split.mlp, cfg.embed_dim) * a, own // 4)
+            saved = rest + own
             narrow = narrow * positions // sequence
         x = positions * cfg.embed_dim * jnp.dtype(cfg.dtype).itemsize
         return LayerTrace(saved=saved, largest=largest, input=x, fixed=fixed, narrow=narrow)
 
     def _block(self, split: Split, T: int) -> tuple[int, int, int, int]:
         """(bytes per row, the largest per row, bytes per layer whatever the rows, bytes per row
-        in 16-bit types). A mixture
-        of experts dispatches its tokens in a region of its own (`minigpt.parallel.experts`)
-        that keeps copies of the experts' weights for the backward: traced with one row and
-        with two, as the step runs it (its batch split over a mesh axis, here of one device)."""
+        in 16-bit types). Some residuals do not grow with the rows: the weights cast to a
+        16-bit compute dtype, and a mixture of experts' weights copied into the region that
+        dispatches its tokens (`minigpt.parallel.experts`, traced as the step runs it: its
+        batch split over a mesh axis, here of one device). Where there can be some, the layer
+        is traced with one row and with two."""
         key = ("block", split, T)
-        if key not in self._cache:
-            if not self.cfg.num_experts:
-                saved, largest, narrow = self._trace(split, T, attention_only=False)
-                self._cache[key] = (saved, largest, 0, narrow)
-            else:
-                mesh = jax.sharding.AbstractMesh((1,), ("data",))
-                with jax.sharding.use_abstract_mesh(mesh), \
-                        sharding.running(rules=(("batch", "data"),)):
-                    (one, largest, narrow), (two, _, _) = (
-                        self._trace(split, T, attention_only=False, rows=rows) for rows in (1, 2))
-                self._cache[key] = (two - one, largest, max(2 * one - two, 0), narrow)
+        if key in self._cache:
+            return self._cache[key]
+        if not self.cfg.num_experts and jnp.dtype(self.cfg.dtype).itemsize == F32:
+            saved, largest, narrow = self._trace(split, T, attention_only=False)
+            self._cache[key] = (saved, largest, 0, narrow)
+            return self._cache[key]
+        mesh = jax.sharding.AbstractMesh((1,), ("data",))
+        with jax.sharding.use_abstract_mesh(mesh), sharding.running(rules=(("batch", "data"),)):
+            (one, largest, narrow_one), (two, _, narrow_two) = (
+                self._trace(split, T, attention_only=False, rows=rows) for rows in (1, 2))
+        self._cache[key] = (two - one, min(largest, two - one), max(2 * one - two, 0),
+                            narrow_two - narrow_one)
         return self._cache[key]
 
     def _attention(self, split: Split, T: int) -> tuple[int, int, int]:

@@ -152,7 +152,9 @@ def estimate(subject, layout, dev: Device) -> Speed:
     if layout.stages > 1:
         S, M, R = layout.stages, layout.pipeline.microbatches, layout.pipeline.repeats
         bubble = (S - 1) / (R * M + S - 1)
-    compute = work / dev.peak / (1.0 if dev.shared else 1.0 - bubble)
+    # The stages wait for each other at every tick (their activations pass by collective
+    # permutes), simulated devices as much as real ones.
+    compute = work / dev.peak / (1.0 - bubble)
     trained = _state_bytes(layout, subject.trainable)
     memory = trained / 4 * UPDATE_BYTES / dev.memory_bandwidth
     moved, count = _collectives(subject, layout)

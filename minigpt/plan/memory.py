@@ -105,17 +105,16 @@ def estimate_memory(subject: Subject, layout: Layout) -> Memory:
     opt = sum(r["bytes_per_device"] for r in sharding.describe(layout.preset, layout.mesh,
                                                                 subject.optimizer))
     phases = (pipeline_phases if layout.stages > 1 else stack_phases)(subject, layout, held)
-    update = {"gradients": grads,
-              "largest update": UPDATE_COPIES * max(
-                  [r["bytes_per_device"] for r in held.rows if r["name"] in held.trained]
-                  or [0])}
-    phases["update"] = update
+    largest = max([r["bytes_per_device"] for r in held.rows if r["name"] in held.trained]
+                  or [0])
+    phases["update"] = {"gradients": grads, "optimizer's temporaries": UPDATE_COPIES * largest,
+                        "largest update": largest}
+    # Parts named "largest ..." name the largest single buffer among the others: not added.
     name = max(phases, key=lambda k: sum(v for p, v in phases[k].items()
-                                         if not p.startswith("largest ") or p == "largest update"))
+                                         if not p.startswith("largest ")))
     parts = {k: v for k, v in phases[name].items() if v}
     temporary = max([v for k, v in parts.items() if k.startswith("largest")] or [0])
-    beside = sum(v for k, v in parts.items() if not k.startswith("largest ")
-                 or k == "largest update")
+    beside = sum(v for k, v in parts.items() if not k.startswith("largest "))
     return Memory(parameters=params, gradients=grads, optimizer=opt,
                   activations=max(beside - grads, 0), temporary=temporary, phase=name,
                   parts=parts)

@@ -40,6 +40,8 @@ except ImportError:  # pragma: no cover - a jax without it: every residual count
 
 F32 = 4
 FUSED = ("cudnn", "splash")  # minigpt.models.kernels' fused attention kernels
+BLOCK = kernel_sets.ATTENTION_BLOCK  # the CPU kernels' attention block of queries
+SHORT = 256  # positions up to which a layer is traced at its own length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,13 +110,13 @@ class BlockTracer:
         if key in self._cache:
             return self._cache[key]
         if not self.cfg.num_experts and jnp.dtype(self.cfg.dtype).itemsize == F32:
-            saved, largest, narrow = self._trace(split, T, attention_only=False)
+            saved, largest, narrow = self._sized(split, T, attention_only=False)
             self._cache[key] = (saved, largest, 0, narrow)
             return self._cache[key]
         mesh = jax.sharding.AbstractMesh((1,), ("data",))
         with jax.sharding.use_abstract_mesh(mesh), sharding.running(rules=(("batch", "data"),)):
             (one, largest, narrow_one), (two, _, narrow_two) = (
-                self._trace(split, T, attention_only=False, rows=rows) for rows in (1, 2))
+                self._sized(split, T, attention_only=False, rows=rows) for rows in (1, 2))
         self._cache[key] = (two - one, min(largest, two - one), max(2 * one - two, 0),
                             narrow_two - narrow_one)
         return self._cache[key]
@@ -122,8 +124,30 @@ class BlockTracer:
     def _attention(self, split: Split, T: int) -> tuple[int, int, int]:
         key = ("attention", split, T)
         if key not in self._cache:
-            self._cache[key] = self._trace(split, T, attention_only=True)
+            self._cache[key] = self._sized(split, T, attention_only=True)
         return self._cache[key]
+
+    def _sized(self, split: Split, T: int, *, attention_only: bool,
+               rows: int = 1) -> tuple[int, int, int]:
+        """`_trace` at T positions. A long sequence is traced at two short lengths instead
+        (a trace's cost grows with the blocks attention runs in) and the sizes found are
+        extended to T as what they are: a term growing with the positions, and one with their
+        square (attention's scores, whole or block by block). The short lengths take the same
+        attention path as T (`minigpt.models.kernels`: blocks of 64 queries where T divides by
+        64, XLA's attention elsewhere)."""
+        if T <= SHORT:
+            return self._trace(split, T, attention_only=attention_only, rows=rows)
+        short = (2 * BLOCK, 4 * BLOCK) if T % BLOCK == 0 else (3 * BLOCK // 2, 5 * BLOCK // 2)
+        one, two = (self._trace(split, t, attention_only=attention_only, rows=rows)
+                    for t in short)
+
+        def extend(a: int, b: int) -> int:  # a = p t1 + q t1^2, b = p t2 + q t2^2 -> at T
+            (t1, t2), det = short, short[0] * short[1] ** 2 - short[1] * short[0] ** 2
+            p = (a * t2**2 - b * t1**2) / det
+            q = (b * t1 - a * t2) / det
+            return max(round(p * T + q * T * T), 0)
+
+        return tuple(extend(a, b) for a, b in zip(one, two))
 
     def _local(self, state, split: Split):
         """A layer's weights (the stacked axis dropped) as one device computes with them."""

@@ -13,7 +13,6 @@ activations (`sharding.resolve_spec`, the rule the compiled step follows).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 
@@ -34,7 +33,6 @@ class Layout:
     heads: int  # query heads a device computes
     kv_heads: int
     mlp: int  # feed-forward units (an expert's, for a mixture of experts)
-    shared_mlp: int  # a shared expert's units
     vocab: int  # padded vocabulary entries of the logits a device computes
     batch_ways: int  # devices the batch is split over
     seq_ways: int  # devices each sequence is split over (context parallelism)
@@ -95,14 +93,11 @@ def local_sizes(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding
                              (B, T, cfg.num_heads, H))
     k = local_shape(preset, mesh, ("batch", "seq", "kv_heads", "kv"), (B, T, cfg.kv_heads, H))[2]
     f = local_shape(preset, mesh, ("batch", "seq", "mlp"), (B, T, cfg.expert_dim))[2]
-    shared = local_shape(preset, mesh, ("batch", "seq", "mlp"),
-                    (B, T, max(cfg.shared_expert_mlp_dim, 1)))[2]
     v = local_shape(preset, mesh, ("batch", "seq", "vocab"), (B, T, cfg.padded_vocab))[2]
     if n % k:  # a split that leaves whole query groups nowhere: every device keeps its own
         k = n
     return Layout(preset=preset, mesh=mesh, pipeline=settings, stages=stages, rows=b,
-                  positions=t, heads=n, kv_heads=k, mlp=f,
-                  shared_mlp=shared if cfg.shared_expert_mlp_dim else 0, vocab=v,
+                  positions=t, heads=n, kv_heads=k, mlp=f, vocab=v,
                   batch_ways=B // b, seq_ways=T // t, model_ways=cfg.num_heads // n)
 
 
@@ -110,8 +105,3 @@ def state_bytes(layout: Layout, state) -> int:
     """Bytes one device holds of an (abstract) NNX state laid out by the preset."""
     rows = sharding.describe(layout.preset, layout.mesh, state)
     return sum(r["bytes_per_device"] for r in rows)
-
-
-def full_bytes(state) -> int:
-    """Bytes of an (abstract) NNX state in all."""
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))

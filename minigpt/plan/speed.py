@@ -32,6 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import minigpt.plan.layout as layouts
 import minigpt.train.flops as flops
 from minigpt import pipeline, sharding
 from minigpt.config import ConfigError
@@ -155,17 +156,12 @@ def estimate(subject, layout, dev: Device) -> Speed:
     # The stages wait for each other at every tick (their activations pass by collective
     # permutes), simulated devices as much as real ones.
     compute = work / dev.peak / (1.0 - bubble)
-    trained = _state_bytes(layout, subject.trainable)
+    trained = layouts.state_bytes(layout, subject.trainable)
     memory = trained / 4 * UPDATE_BYTES / dev.memory_bandwidth
     moved, count = _collectives(subject, layout)
     communication = moved / dev.link_bandwidth + count * LATENCY[dev.platform]
     return Speed(seconds=compute + memory + communication, compute=compute, memory=memory,
                  communication=communication, bubble=bubble)
-
-
-def _state_bytes(layout, state) -> int:
-    return sum(r["bytes_per_device"] for r in sharding.describe(layout.preset, layout.mesh,
-                                                                 state))
 
 
 def _collectives(subject, layout) -> tuple[float, int]:
@@ -184,13 +180,15 @@ def _collectives(subject, layout) -> tuple[float, int]:
         replicas = [a for a in data_axes - split]
         f = math.prod(mesh.shape[a] for a in sharded)
         n = math.prod(mesh.shape[a] for a in replicas)
+        # a stacked weight is gathered (and its gradient scattered) a layer at a time
+        layers = r["shape"][0] // layout.stages if r["axes"][:1] == ("layers",) else 1
         if f > 1:  # FSDP: gathered for each use, the gradient reduce-scattered
             moved += gathers * (f - 1) * local
-            count += gathers
+            count += gathers * layers
         if r["name"] in trained:
             if f > 1:
                 moved += (f - 1) * local
-                count += 1
+                count += layers
             if n > 1:
                 moved += 2 * (n - 1) / n * local
                 count += 1

@@ -17,6 +17,7 @@ moves one out of the way of new saves without deleting anything).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -179,14 +180,18 @@ def _stack_layer_list(restored: dict, target):
     return jax.tree_util.tree_map_with_path(value, target)
 
 
+@functools.cache
 def _write_arrays_from_one_replica() -> None:
-    """On the CPU backend, write each array from one copy of it instead of splitting the copies'
-    work (Orbax's "replica parallel" saving, its default off GPUs): simulated devices live in one
-    process, so there is nothing to share out, and the split cost one compiled slice per array
-    and device, about 2 s for each save of even a tiny model on 8 devices."""
-    if jax.default_backend() == "cpu":
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    """In a single-process job, write each array from one copy of it instead of splitting the
+    copies' work (Orbax's "replica parallel" saving, its default off GPUs): every copy lives in
+    this one process, so there is nothing to share out between hosts, and on CPU devices the
+    split cost one compiled slice per array and device, about 2 s for each save of even a tiny
+    model on 8 simulated devices."""
+    if jax.process_count() == 1:
+        with _absl_errors_only():  # Orbax warns that a handler is replaced: this one is
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                override=True)
 
 
 class _OrbaxErrorsOnly(logging.Filter):

@@ -102,7 +102,7 @@ def test_log_appends_one_json_object_per_line_and_the_plot_is_a_png(tmp_path):
 RECORDS = [{"step": 1, "loss": 5.0, "grad_norm": 1.5, "lr": 1e-4},
            {"step": 2, "loss": 4.5, "grad_norm": 1.2, "lr": 2e-4, "tokens_per_s": 900.0,
             "mfu": 0.25},
-           {"step": 2, "eval_loss": 4.25, "eval_perplexity": 70.1},
+           {"step": 2, "eval_loss": 4.25, "eval_bits_per_byte": 1.5, "eval_perplexity": 70.1},
            {"step": 3, "loss": 4.0, "grad_norm": 1.0, "lr": 3e-4, "tokens_per_s": 1000.0,
             "mfu": 0.5}]
 

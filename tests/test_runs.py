@@ -41,7 +41,8 @@ def test_a_config_json_without_newer_fields_still_loads(tmp_path):
     del values["kernels"]  # written before the field existed
     (tmp_path / "config.json").write_text(json.dumps({"model": values, "train": {}}))
     saved = RunDir(tmp_path).read()
-    assert saved.model.kernels == "auto" and saved.train == TrainConfig()
+    # Runs from before documents were kept apart trained without: they go on as they were.
+    assert saved.model.kernels == "auto" and saved.train == TrainConfig(document_mask=False)
 
 
 def test_a_run_from_before_models_named_their_tokenizer_keeps_the_data_tokenizer(tmp_path):

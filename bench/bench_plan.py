@@ -20,6 +20,7 @@ Both append a section to bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -113,8 +114,9 @@ def configs(model: str, batch: int, seq: int, overrides: dict[str, str], folder:
         from minigpt.models import get_config
 
         model_cfg = get_config(model)
-    base = TrainConfig(model=model, batch_size=batch, seq_len=seq)
-    return train_cli.apply_overrides(model_cfg, base, [f"{k}={v}" for k, v in overrides.items()])
+    changes = train_cli.parse_overrides([f"{k}={v}" for k, v in overrides.items()])
+    return (dataclasses.replace(model_cfg, **changes["model"]),
+            TrainConfig(model=model, batch_size=batch, seq_len=seq, **changes["train"]))
 
 
 def grid(indices: list[int]) -> list[dict]:

@@ -136,6 +136,12 @@ def test_auto_picks_a_preset_that_fits_where_dp_does_not_and_trains(data_dir, tm
     assert printed.splitlines()[0].startswith(f"preset auto: {chosen} (")
     assert "runner-up" in printed.splitlines()[0]
     assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
+    # the same command resumed keeps the preset auto chose, whatever a new plan would say
+    args = _auto_args(data_dir, out, memory)
+    args[args.index("--steps") + 1] = "3"
+    assert train.main([*args, "--resume"]) == 0
+    assert f"preset auto: keeping {chosen}" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["train"]["preset"] == chosen
 
 
 def test_auto_refuses_in_one_line_where_nothing_fits_and_writes_nothing(data_dir, tmp_path,

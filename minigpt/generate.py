@@ -30,7 +30,7 @@ from flax import nnx
 from minigpt import CallableModule, chat_template, sharding
 from minigpt.models import DecoderLM
 from minigpt.models.sampling import decode, stream_tokens, to_host
-from minigpt.runs import LOAD_ERRORS, RunDir, load_run
+from minigpt.runs import LOAD_ERRORS, RunDir, load_run, with_recorded_template
 from minigpt.runtime import plain_warnings, relaunch_with_huge_pages, set_simulated_devices
 from minigpt.tokenizer import load_tokenizer
 
@@ -292,8 +292,9 @@ def _tell(args: argparse.Namespace) -> None:
                               f"{args.seed} and {args.num_samples})")
     # The request is checked against the run's config and tokenizer (its chat template
     # rendered, bounded) before any weights are loaded.
-    cfg = RunDir(args.run).read().model
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    saved = RunDir(args.run).read()
+    cfg = saved.model
+    tokenizer = with_recorded_template(load_tokenizer(cfg.tokenizer), saved)
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages.append({"role": "user", "content": args.chat})
     chars = cfg.context_len * chat_template.CHARS_PER_TOKEN  # what a context can hold

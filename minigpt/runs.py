@@ -300,9 +300,7 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
         raise RunError(
             f"{directory.path} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
             f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
-    template = saved.record.get("chat_template")  # a zoo vocabulary fine-tuned on chats
-    if isinstance(template, str):
-        tokenizer = chat_template.with_template(tokenizer, template)[0]
+    tokenizer = with_recorded_template(tokenizer, saved)
     if not directory.checkpoints.is_dir():
         raise RunError(f"{directory.path} holds no checkpoints/ directory: train it first")
     checkpointer = Checkpointer(directory.checkpoints, read_only=True)
@@ -333,6 +331,14 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
                       f"step {restored['step']}, the newest that can", stacklevel=2)
     return LoadedRun(path=directory.path, model=model, tokenizer=tokenizer, preset=layout,
                      mesh=mesh, step=restored["step"], saved=saved)
+
+
+def with_recorded_template(tokenizer, saved: SavedRun):
+    """A run's tokenizer as it renders chats: with the chat template config.json recorded,
+    where the vocabulary has none of its own (a zoo model fine-tuned on conversations)."""
+    template = saved.record.get("chat_template")
+    return chat_template.with_template(tokenizer, template)[0] if isinstance(
+        template, str) else tokenizer
 
 
 # What a caller of `load_run` may be told, besides RunError.

@@ -2,7 +2,7 @@
 rendered by the run's own template (ChatML for a zoo vocabulary), the loss on the assistant's
 tokens alone exactly where transformers' templates put them, packed whole into windows; and,
 in the slow set, an imported instruct model that after 30 steps answers as it was taught, and
-a zoo model's chat run that resumes exactly."""
+a zoo model's chat run with LoRA adapters that resumes exactly."""
 
 import json
 from pathlib import Path
@@ -133,7 +133,7 @@ def test_trained_tokens_are_where_transformers_templates_put_the_replies(tmp_pat
 
 
 @pytest.mark.slow
-def test_an_imported_instruct_model_learns_its_replies_with_lora(tmp_path, capsys):
+def test_an_imported_instruct_model_learns_its_replies(tmp_path, capsys):
     pytest.importorskip("transformers", reason="needs the [hf] test extra")
     import hf_families
 
@@ -146,8 +146,8 @@ def test_an_imported_instruct_model_learns_its_replies_with_lora(tmp_path, capsy
     path = write_chats(tmp_path / "chats.jsonl")
     assert train_main(["--init-from", str(tmp_path / "run"), "--data", str(path), "--preset",
                        "fsdp", "--steps", "30", "--batch-size", "8", "--seq-len", "128", "--lr",
-                       "2e-2", "--set", "train.lora_rank=8", "--set", "eval_every=30", "--set",
-                       "eval_batches=1", "--out", str(tmp_path / "sft"), "--no-sample"]) == 0
+                       "1e-2", "--set", "eval_every=30", "--set", "eval_batches=1",
+                       "--out", str(tmp_path / "sft"), "--no-sample"]) == 0
     capsys.readouterr()
     for conversation in (CHATS[0], CHATS[2]):
         assert generate_main(["--run", str(tmp_path / "sft"), "--chat",
@@ -158,6 +158,7 @@ def test_an_imported_instruct_model_learns_its_replies_with_lora(tmp_path, capsy
 @pytest.mark.slow
 def test_a_zoo_models_chat_run_resumes_exactly_and_chats_as_it_trained(tmp_path, capsys,
                                                                        small_stories):
+    import minigpt
     from minigpt.generate import main as generate_main
     from minigpt.train import main as train_main
 
@@ -167,8 +168,9 @@ def test_a_zoo_models_chat_run_resumes_exactly_and_chats_as_it_trained(tmp_path,
                        "--out", str(tmp_path / "stories")]) == 0
     path = write_chats(tmp_path / "chats.jsonl")
     sft = ["--init-from", str(tmp_path / "stories"), "--data", str(path), "--preset", "dp",
-           "--batch-size", "8", "--seq-len", "64", "--lr", "1e-2", "--no-sample",
-           "--set", "eval_every=100", "--set", "eval_batches=1", "--set", "save_every=10"]
+           "--batch-size", "8", "--seq-len", "128", "--lr", "1e-2", "--no-sample",
+           "--set", "eval_every=100", "--set", "eval_batches=1", "--set", "save_every=10",
+           "--set", "train.lora_rank=8", "--set", "decay_steps=20", "--set", "warmup_steps=2"]
     assert train_main([*sft, "--steps", "20", "--out", str(tmp_path / "straight")]) == 0
     assert train_main([*sft, "--steps", "10", "--out", str(tmp_path / "cut")]) == 0
     assert train_main(["--out", str(tmp_path / "cut"), "--resume", "--steps", "20",
@@ -176,7 +178,15 @@ def test_a_zoo_models_chat_run_resumes_exactly_and_chats_as_it_trained(tmp_path,
     assert losses(tmp_path / "cut") == losses(tmp_path / "straight")
     record = RunDir(tmp_path / "cut").read().record
     assert record["chat_template"] == chat_template.CHATML
+    # --chat renders the conversation with the template the run recorded, as training did:
+    # its reply is the one the Python API gives from that rendering.
     capsys.readouterr()
-    assert generate_main(["--run", str(tmp_path / "straight"), "--chat", "Who is Tom?",
-                          "--max-new-tokens", "12"]) == 0
-    assert capsys.readouterr().out.strip() == "Tom is a cat."
+    assert generate_main(["--run", str(tmp_path / "cut"), "--chat", "Who is Tom?",
+                          "--max-new-tokens", "12", "--temperature", "0"]) == 0
+    said = capsys.readouterr().out.strip()
+    run = minigpt.load_run(tmp_path / "cut")
+    messages = [{"role": "user", "content": "Who is Tom?"}]
+    assert run.tokenizer.render_chat(messages) == (
+        "<|im_start|>user\nWho is Tom?<|endoftext|>\n<|im_start|>assistant\n")
+    with minigpt.use_preset(run.preset, run.mesh):
+        assert said == minigpt.chat(run.model, run.tokenizer, messages, max_new_tokens=12).strip()

@@ -105,7 +105,7 @@ def packed_and_alone(preset_name: str, name: str, strategy: str = "ring"):
     how = sharding.ContextParallel(strategy=strategy)
 
     with sharding.use_preset(preset, mesh, pipe, context_parallel=how):
-        step = sharding.jit(nnx.value_and_grad(lambda m, b: m.loss(b)))
+        step = sharding.jit(lambda m, b: nnx.value_and_grad(lambda m, b: m.loss(b))(m, b))
 
         def run(batch):
             return step(model, {k: jnp.asarray(v) for k, v in batch.items()})

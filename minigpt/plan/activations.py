@@ -21,8 +21,10 @@ holds. Each distinct split of the heads is traced once and remembered.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,19 @@ class LayerTrace:
     narrow: int = 0  # of `saved`, the bytes in 16-bit types (bfloat16 activations)
 
 
+class Sizes(NamedTuple):
+    """What a trace finds, in bytes: every residual (`total`, `largest`, those in 16-bit types:
+    `narrow`) and of them those shaped like a weight of the layer (`fixed`, `fixed_narrow`:
+    its weights cast to a 16-bit compute dtype, or copied into a region of their own), which do
+    not grow with the rows."""
+
+    total: int
+    largest: int
+    narrow: int
+    fixed: int = 0
+    fixed_narrow: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """How one device's layer is cut: its heads, key/value heads, feed-forward units."""
@@ -86,7 +101,7 @@ class BlockTracer:
         cfg = self.cfg
         saved, largest, fixed, narrow = self._block(split, sequence)
         if positions != sequence or self.fused:  # the attention's residuals apart
-            attention, _, _ = self._attention(split, sequence)
+            attention = self._attention(split, sequence).total
             rest = (saved - attention) * positions // sequence
             a = jnp.dtype(cfg.dtype).itemsize
             H = cfg.head_dim
@@ -101,45 +116,43 @@ class BlockTracer:
 
     def _block(self, split: Split, T: int) -> tuple[int, int, int, int]:
         """(bytes per row, the largest per row, bytes per layer whatever the rows, bytes per row
-        in 16-bit types). Some residuals do not grow with the rows: the weights cast to a
-        16-bit compute dtype, and a mixture of experts' weights copied into the region that
-        dispatches its tokens (`minigpt.parallel.experts`, traced as the step runs it: its
-        batch split over a mesh axis, here of one device). Where there can be some, the layer
-        is traced with one row and with two."""
+        in 16-bit types), from one row's trace: the residuals shaped like the layer's weights
+        (its weights cast to a 16-bit compute dtype; a mixture of experts' copied into the
+        region that dispatches its tokens, `minigpt.parallel.experts`, traced as the step runs
+        it: its batch split over a mesh axis, here of one device) do not grow with the rows."""
         key = ("block", split, T)
-        if key in self._cache:
-            return self._cache[key]
-        if not self.cfg.num_experts and jnp.dtype(self.cfg.dtype).itemsize == F32:
-            saved, largest, narrow = self._sized(split, T, attention_only=False)
-            self._cache[key] = (saved, largest, 0, narrow)
-            return self._cache[key]
-        mesh = jax.sharding.AbstractMesh((1,), ("data",))
-        with jax.sharding.use_abstract_mesh(mesh), sharding.running(rules=(("batch", "data"),)):
-            (one, largest, narrow_one), (two, _, narrow_two) = (
-                self._sized(split, T, attention_only=False, rows=rows) for rows in (1, 2))
-        self._cache[key] = (two - one, min(largest, two - one), max(2 * one - two, 0),
-                            narrow_two - narrow_one)
+        if key not in self._cache:
+            dispatch = contextlib.nullcontext()
+            if self.cfg.num_experts:
+                dispatch = contextlib.ExitStack()
+                dispatch.enter_context(jax.sharding.use_abstract_mesh(
+                    jax.sharding.AbstractMesh((1,), ("data",))))
+                dispatch.enter_context(sharding.running(rules=(("batch", "data"),)))
+            with dispatch:
+                found = self._sized(split, T, attention_only=False)
+            per_row = found.total - found.fixed
+            self._cache[key] = (per_row, min(found.largest, per_row), found.fixed,
+                                found.narrow - found.fixed_narrow)
         return self._cache[key]
 
-    def _attention(self, split: Split, T: int) -> tuple[int, int, int]:
+    def _attention(self, split: Split, T: int) -> Sizes:
         key = ("attention", split, T)
         if key not in self._cache:
             self._cache[key] = self._sized(split, T, attention_only=True)
         return self._cache[key]
 
-    def _sized(self, split: Split, T: int, *, attention_only: bool,
-               rows: int = 1) -> tuple[int, int, int]:
+    def _sized(self, split: Split, T: int, *, attention_only: bool) -> Sizes:
         """`_trace` at T positions. A long sequence is traced at two short lengths instead
         (a trace's cost grows with the blocks attention runs in) and the sizes found are
         extended to T as what they are: a term growing with the positions, and one with their
-        square (attention's scores, whole or block by block). The short lengths take the same
-        attention path as T (`minigpt.models.kernels`: blocks of 64 queries where T divides by
-        64, XLA's attention elsewhere)."""
+        square (attention's scores, whole or block by block); the weights' copies do not
+        change. The short lengths take the same attention path as T
+        (`minigpt.models.kernels`: blocks of 64 queries where T divides by 64, XLA's attention
+        elsewhere)."""
         if T <= SHORT:
-            return self._trace(split, T, attention_only=attention_only, rows=rows)
+            return self._trace(split, T, attention_only=attention_only)
         short = (2 * BLOCK, 4 * BLOCK) if T % BLOCK == 0 else (3 * BLOCK // 2, 5 * BLOCK // 2)
-        one, two = (self._trace(split, t, attention_only=attention_only, rows=rows)
-                    for t in short)
+        one, two = (self._trace(split, t, attention_only=attention_only) for t in short)
 
         def extend(a: int, b: int) -> int:  # a = p t1 + q t1^2, b = p t2 + q t2^2 -> at T
             (t1, t2), det = short, short[0] * short[1] ** 2 - short[1] * short[0] ** 2
@@ -147,7 +160,10 @@ class BlockTracer:
             q = (b * t1 - a * t2) / det
             return max(round(p * T + q * T * T), 0)
 
-        return tuple(extend(a, b) for a, b in zip(one, two))
+        grown = [extend(a - fa, b - fb) for a, b, fa, fb in zip(
+            one[:3], two[:3], (one.fixed, 0, one.fixed_narrow), (two.fixed, 0, two.fixed_narrow))]
+        return Sizes(grown[0] + one.fixed, grown[1], grown[2] + one.fixed_narrow, one.fixed,
+                     one.fixed_narrow)
 
     def _local(self, state, split: Split):
         """A layer's weights (the stacked axis dropped) as one device computes with them."""
@@ -162,10 +178,8 @@ class BlockTracer:
 
         return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
-    def _trace(self, split: Split, T: int, *, attention_only: bool,
-               rows: int = 1) -> tuple[int, int, int]:
-        """(residual bytes, the largest of them, those in 16-bit types) of a layer (of `rows`
-        rows), or of its attention."""
+    def _trace(self, split: Split, T: int, *, attention_only: bool) -> Sizes:
+        """The residuals of one row of a layer of T positions, or of its attention."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         with sharding.running(kernels=self.kernels):
@@ -176,15 +190,15 @@ class BlockTracer:
                 segments = jax.ShapeDtypeStruct((1, T), jnp.int32) if self.documents else None
                 return _residuals(kernel_sets.active().causal_attention, args, (segments,),
                                   weights=False)
-            x = jax.ShapeDtypeStruct((rows, T, cfg.embed_dim), dtype)
-            keys = jax.ShapeDtypeStruct((rows, T), jax.random.key(0).dtype) if self.dropping \
+            x = jax.ShapeDtypeStruct((1, T, cfg.embed_dim), dtype)
+            keys = jax.ShapeDtypeStruct((1, T), jax.random.key(0).dtype) if self.dropping \
                 else None
-            segments = jax.ShapeDtypeStruct((rows, T), jnp.int32) if self.documents else None
+            segments = jax.ShapeDtypeStruct((1, T), jnp.int32) if self.documents else None
             graphdef = self.graphdef
 
             def layer(trained, x, frozen, keys, segments):
                 block = nnx.merge(graphdef, trained, frozen)
-                positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
+                positions = jnp.arange(T, dtype=jnp.int32)[None]
                 with lora.dropout_keys(keys):
                     return block(x, positions, None, keys, segments)[0]
 
@@ -192,10 +206,10 @@ class BlockTracer:
                               (self._local(self.frozen, split), keys, segments), weights=True)
 
 
-def _residuals(fn, args: tuple, consts: tuple, *, weights: bool) -> tuple[int, int, int]:
-    """(bytes, largest, bytes in 16-bit types) of the residuals of fn(*args, *consts)'s VJP
-    with respect to `args` that its backward reads; with `weights`, args[0] and consts[0] are
-    the layer's weights (trained and frozen), held anyway and not counted."""
+def _residuals(fn, args: tuple, consts: tuple, *, weights: bool) -> Sizes:
+    """The residuals of fn(*args, *consts)'s VJP with respect to `args` that its backward
+    reads; with `weights`, args[0] and consts[0] are the layer's weights (trained and frozen),
+    held anyway and not counted, and residuals of their shapes are `fixed`."""
     treedef = {}
 
     def forward(args, consts):
@@ -215,18 +229,20 @@ def _residuals(fn, args: tuple, consts: tuple, *, weights: bool) -> tuple[int, i
         _, used = dce_jaxpr(bwd.jaxpr, [True] * len(bwd.jaxpr.outvars))
     else:  # pragma: no cover
         used = [True] * len(bwd.jaxpr.invars)
-    held = set()
+    held, shapes = set(), set()
     if weights:  # the invars are args' leaves, then consts' leaves
         n_args, n_trained = len(jax.tree.leaves(args)), len(jax.tree.leaves(args[0]))
         invars = fwd.jaxpr.invars
-        held = {id(v) for v in invars[:n_trained]} | {
-            id(v) for v in invars[n_args:n_args + len(jax.tree.leaves(consts[0]))]}
-    seen, total, largest, narrow = set(), 0, 0, 0
+        mine = invars[:n_trained] + invars[n_args:n_args + len(jax.tree.leaves(consts[0]))]
+        held, shapes = {id(v) for v in mine}, {v.aval.shape for v in mine}
+    seen, sizes = set(), [0, 0, 0, 0, 0]  # total, largest, narrow, fixed, fixed narrow
     for var, read in zip(outs, used):
         if not read or not hasattr(var, "aval") or id(var) in held or id(var) in seen:
             continue
         seen.add(id(var))
         size = math.prod(var.aval.shape) * var.aval.dtype.itemsize
-        total, largest = total + size, max(largest, size)
-        narrow += size if var.aval.dtype.itemsize == 2 else 0
-    return total, largest, narrow
+        narrow = size if var.aval.dtype.itemsize == 2 else 0
+        fixed = var.aval.shape in shapes
+        sizes = [sizes[0] + size, max(sizes[1], size) if not fixed else sizes[1],
+                 sizes[2] + narrow, sizes[3] + size * fixed, sizes[4] + narrow * fixed]
+    return Sizes(*sizes)

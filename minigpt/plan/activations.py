@@ -12,9 +12,11 @@ The backward is traced too, from those residuals, and only the residuals it read
 The weights are held anyway and are not counted; the layer's input is, where the backward
 reads it (post-norm blocks).
 
-Residuals grow linearly with the rows, so a block is traced with one row and scaled. Where a
-preset splits the sequence (context parallelism), attention runs round the ring
-(`minigpt.parallel.ring`), which keeps its queries, keys, values, output and log-sum-exp; the
+Residuals grow linearly with the rows, those shaped like the layer's weights aside, so a block
+is traced with one row and scaled; a long sequence is traced at two short lengths and extended
+(a linear and a quadratic term in the positions). Where a preset splits the sequence (context
+parallelism), attention runs round the ring (`minigpt.parallel.ring`), which keeps its queries,
+keys, values, output and log-sum-exp, as the fused attention kernels of accelerators do; the
 rest of the layer is position by position, so its residuals scale with the positions a device
 holds. Each distinct split of the heads is traced once and remembered.
 """
@@ -55,7 +57,7 @@ class LayerTrace:
     saved: int
     largest: int
     input: int
-    fixed: int = 0  # bytes per layer whatever the rows (a mixture of experts' weight copies)
+    fixed: int = 0  # per layer whatever the rows (16-bit weight casts, experts' weight copies)
     narrow: int = 0  # of `saved`, the bytes in 16-bit types (bfloat16 activations)
 
 
@@ -93,7 +95,7 @@ class BlockTracer:
         self.kernels = "reference" if self.fused else kernels
         self.wrt = nnx.LoRAParam if adapted else nnx.Param  # a frozen base trains no weight
         self.graphdef, self.trained, self.frozen = nnx.split(model.blocks.layers, self.wrt, ...)
-        self._cache: dict[tuple, tuple[int, int]] = {}
+        self._cache: dict[tuple, tuple] = {}
 
     def layer(self, split: Split, positions: int, sequence: int) -> LayerTrace:
         """One layer at this split on `positions` of each row's `sequence` positions (fewer:

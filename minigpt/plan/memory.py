@@ -2,15 +2,17 @@
 
 Parameters, gradients and optimizer state are exact: the abstract model and optimizer (shapes
 only) laid out by the preset, as `python -m minigpt.sharding` counts them. The rest is what the
-step holds beside them, followed through the step's phases as XLA schedules them (read from its
-buffer assignment and live ranges, bench/RESULTS.md), the largest phase being the peak:
+step holds beside them, followed through the step's phases as XLA schedules them (as its buffer
+assignment and live ranges show them: `--xla_dump_to`), the largest phase being the peak:
 
-- the loss, at the end of the forward pass: every layer's residuals (`minigpt.plan.activations`),
-  the blocks' gradient accumulators and the embedding's gradient buffer (zeros XLA allocates
-  before the forward), and the fused loss's own buffers: its per-device accumulator of the
-  head's gradient, the product added into it, a chunk of logits, and the head's weights
-  gathered where the rules split their embedding axis over the devices the rows are split over
-  (or, with the plain loss of the accelerator kernels, the whole logits);
+- the forward pass's last layer: every layer's residuals (`minigpt.plan.activations`), the
+  blocks' gradient accumulators and the embedding's gradient buffer (zeros XLA allocates before
+  the forward), and the layer's own temporaries (dropout's random bits among them);
+- the loss: the fused loss's per-device accumulator of the head's gradient, the product added
+  into it and a chunk of logits (three chunks where the head is frozen, or where the rules split
+  its vocabulary over some of the rows' devices and XLA keeps each device's rows beside the
+  others'), the head's weights gathered where the rules split their embedding axis over the
+  rows' devices; or, with the plain loss of the accelerator kernels, the whole logits;
 - the backward pass through the stack: the residuals still held, one layer's backward (its
   residuals recomputed under remat, its weights gathered and its gradient before the
   reduce-scatter under FSDP);
@@ -18,8 +20,10 @@ buffer assignment and live ranges, bench/RESULTS.md), the largest phase being th
 
 A pipeline stage instead holds the schedule's buffers (its stash of stage inputs and its
 inboxes, `minigpt.pipeline.schedules`), its float32 gradients, the gradient trees its ticks
-return for the embedding and the head, and at its peak the head's share of the positions or one
-chunk of layers recomputed for its backward (`pipeline_phases`).
+return for the embedding and the head, and at its peak the head's share of the positions, the
+embedding's backward or one chunk of layers recomputed for its backward (`pipeline_phases`).
+A mixture of experts adds the copies of its experts' weights its dispatch keeps, and the rows
+tokens travelling to their experts pass through (`_expert_copies`).
 """
 
 from __future__ import annotations

@@ -84,7 +84,9 @@ class Encoding(tiktoken.Encoding):
         return (self.eot_token,)
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.encode_ordinary(text)
+        """A prompt as a document starts in the training stream: after the end token that
+        closes the one before (which starts a document where documents are kept apart)."""
+        return [self.eot_token, *self.encode_ordinary(text)]
 
     def render_chat(self, messages: list[dict], **options) -> str:
         raise TokenizerError(f"the {self.name} tokenizer has no chat template (runs imported "

@@ -61,10 +61,11 @@ SPLASH_INTERPRET = False
 FALLBACKS: list[str] = []
 
 
-def resolve(choice: str) -> str:
-    """The kernels "auto" means here (`AUTO_KERNELS`), or the choice itself."""
+def resolve(choice: str, platform: str | None = None) -> str:
+    """The kernels "auto" means on `platform` ("cpu", "gpu", "tpu"; default the backend
+    running here: `AUTO_KERNELS`), or the choice itself."""
     if choice == "auto":
-        return AUTO_KERNELS.get(jax.default_backend(), "reference")
+        return AUTO_KERNELS.get(platform or jax.default_backend(), "reference")
     return choice
 
 
@@ -73,12 +74,13 @@ def get(choice: str) -> ReferenceKernels:
     return _KERNELS[resolve(choice)]
 
 
-def compute_dtype(choice: str) -> str:
-    """The dtype a `ModelConfig.dtype` value computes in: "auto" is float32 on a CPU (where
-    bfloat16 matmuls are no faster) and bfloat16 on an accelerator, whose matrix units run it
-    at twice float32's rate or more; parameters and optimizer state stay float32 either way."""
+def compute_dtype(choice: str, platform: str | None = None) -> str:
+    """The dtype a `ModelConfig.dtype` value computes in on `platform` (default the backend
+    running here): "auto" is float32 on a CPU (where bfloat16 matmuls are no faster) and
+    bfloat16 on an accelerator, whose matrix units run it at twice float32's rate or more;
+    parameters and optimizer state stay float32 either way."""
     if choice == "auto":
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
     return choice
 
 

@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from flax import nnx
 
 import minigpt.plan.layout as layouts
@@ -74,14 +73,9 @@ def make_subject(model_cfg: ModelConfig, train_cfg: TrainConfig, *,
     if wanted is not None:  # targets named by the architecture, as the trainer refuses them
         plain = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
         lora.check_targets(plain, wanted.targets, model_cfg.arch)
-    platform = platform or jax.default_backend()
-    kernels = model_cfg.kernels
-    if kernels == "auto":
-        kernels = kernel_sets.AUTO_KERNELS.get(platform, "reference")
-    dtype = model_cfg.dtype
-    if dtype == "auto":
-        dtype = "float32" if platform == "cpu" else "bfloat16"
-    model_cfg = dataclasses.replace(model_cfg, dtype=dtype)
+    kernels = kernel_sets.resolve(model_cfg.kernels, platform)
+    model_cfg = dataclasses.replace(
+        model_cfg, dtype=kernel_sets.compute_dtype(model_cfg.dtype, platform))
     model, optimizer = nnx.eval_shape(lambda: adapters.build(model_cfg, train_cfg))
     adapted = lora.trainable(model) is nnx.LoRAParam
     dropping = model_cfg.dropout > 0 or (adapted and train_cfg.lora_dropout > 0)

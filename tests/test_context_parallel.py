@@ -16,7 +16,7 @@ from minigpt.config import ConfigError, TrainConfig
 from minigpt.generate import generate_tokens
 from minigpt.models import build_model, get_config
 from minigpt.models.layers import dropout, token_keys
-from minigpt.parallel import ring
+from minigpt.parallel import blocks
 from minigpt.train import lr_schedule, steps
 from minigpt.train import optimizer as optim
 
@@ -65,7 +65,7 @@ def test_dropout_masks_follow_each_tokens_position_not_its_place():
 def _attention_case(name, strategy, balanced, T, monkeypatch):
     """Value and gradients of a weighted sum of ring attention's outputs, in the model's order
     and put back, and of plain causal attention: q [2, T, 4, 8] against 2 key/value heads."""
-    monkeypatch.setattr(ring, "TILE", 2)  # several tiles per chunk, even at these sizes
+    monkeypatch.setattr(blocks, "TILE", 2)  # several tiles per chunk, even at these sizes
     rng = np.random.default_rng(0)
     q, k, v, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
                   for s in [(2, T, 4, 8), (2, T, 2, 8), (2, T, 2, 8), (2, T, 4, 8)])

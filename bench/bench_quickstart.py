@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bench_stories import read_stories, score, scored_text, split_stories  # noqa: E402
+from bench.bench_stories import score, scored_text, split_stories  # noqa: E402
 from bench.report import append_section, table  # noqa: E402
 
 MISSION = "python -m minigpt.train --preset fsdp"

@@ -9,6 +9,7 @@ import time
 import jax
 import jax.monitoring
 import pytest
+from conftest import small_vocab
 from flax import nnx
 
 import minigpt.train.adapters as adapters
@@ -113,21 +114,23 @@ def test_sizes_read_as_people_write_them():
 
 
 def _auto_args(data_dir, out, memory: int) -> list[str]:
+    """minigpt-tiny with the TinyStories vocabulary (`small_vocab`), on `data_4k`."""
     return ["--preset", "auto", "--device-memory", str(memory), "--model", "minigpt-tiny",
+            "--set", "model.tokenizer=tinystories-4k", "--set", "model.vocab_size=4096",
             "--data", str(data_dir), "--steps", "2", "--batch-size", "16", "--seq-len", "32",
             "--out", str(out), "--no-sample", "--set", "eval_batches=1", "--set",
             "warmup_steps=1"]
 
 
-def test_auto_picks_a_preset_that_fits_where_dp_does_not_and_trains(data_dir, tmp_path,
+def test_auto_picks_a_preset_that_fits_where_dp_does_not_and_trains(data_4k, tmp_path,
                                                                       capsys):
-    plans = {e.preset: e for e in plan.plan_all(get_config("minigpt-tiny"), TrainConfig(
+    plans = {e.preset: e for e in plan.plan_all(small_vocab("minigpt-tiny"), TrainConfig(
         model="minigpt-tiny", **SMALL), 8)}
     # between what fsdp needs and what dp needs, the headroom left free
     memory = int((plans["fsdp"].total + plans["dp"].total) / 2 / (1 - plan.HEADROOM))
     assert plans["fsdp"].total < plans["dp"].total
     out = tmp_path / "auto"
-    assert train.main(_auto_args(data_dir, out, memory)) == 0
+    assert train.main(_auto_args(data_4k, out, memory)) == 0
     printed = capsys.readouterr().out
     saved = json.loads((out / "config.json").read_text())
     chosen = saved["train"]["preset"]
@@ -137,17 +140,17 @@ def test_auto_picks_a_preset_that_fits_where_dp_does_not_and_trains(data_dir, tm
     assert "runner-up" in printed.splitlines()[0]
     assert len((out / "metrics.jsonl").read_text().splitlines()) >= 2
     # the same command resumed keeps the preset auto chose, whatever a new plan would say
-    args = _auto_args(data_dir, out, memory)
+    args = _auto_args(data_4k, out, memory)
     args[args.index("--steps") + 1] = "3"
     assert train.main([*args, "--resume"]) == 0
     assert f"preset auto: keeping {chosen}" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["train"]["preset"] == chosen
 
 
-def test_auto_refuses_in_one_line_where_nothing_fits_and_writes_nothing(data_dir, tmp_path,
+def test_auto_refuses_in_one_line_where_nothing_fits_and_writes_nothing(data_4k, tmp_path,
                                                                          capsys):
     out = tmp_path / "none"
-    assert train.main(_auto_args(data_dir, out, 2**20)) == 2
+    assert train.main(_auto_args(data_4k, out, 2**20)) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and error.startswith("error: preset auto: no preset fits")
     assert "needs" in error and "would help most" in error

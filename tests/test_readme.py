@@ -21,14 +21,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 # README text -> what the test runs instead: sizes only.
 SIZES = {
-    "--time-budget 10m": "--time-budget 25s",
+    "--time-budget 3m": "--time-budget 25s",
     "python -m minigpt.train --preset fsdp": "python -m minigpt.train --preset fsdp --steps 2 "
                                              "--batch-size 8 --seq-len 32 --set eval_batches=1",
-    "--steps 200 --devices 8": "--steps 4 --devices 8 --batch-size 8 --seq-len 32 "
-                               "--set eval_batches=1",
+    "--steps 300 --out runs/demo": "--steps 4 --batch-size 8 --seq-len 32 "
+                                   "--set eval_batches=1 --out runs/demo",
     "--resume --steps 400": "--resume --steps 8",
     "--max-new-tokens 200": "--max-new-tokens 20",
-    "steps=200": "steps=3, batch_size=8, seq_len=32, eval_batches=1",
+    "steps=300": "steps=3",
+    "batch_size=16, seq_len=128": "batch_size=8, seq_len=32, eval_batches=1",
     "max_new_tokens=100": "max_new_tokens=10",
 }
 

@@ -81,11 +81,13 @@ def reference(data_dir, tmp_path_factory, preset: str) -> list[float]:
     return _references[preset]
 
 
-# Real multi-process jobs are part of the slower set (`python -m pytest -m slow`). Under dp_pp
-# and dp_pp_tp the two pipeline stages are the two processes: activations and gradients cross
-# between processes.
+# Real multi-process jobs are part of the slower set (`python -m pytest -m slow`): `fsdp`
+# (weights gathered across processes) and `dp_pp_tp`, whose two pipeline stages are the two
+# processes (activations and gradients cross between them) while batch and heads split inside
+# each; dp_tp and dp_pp each split a subset of those axes, so they add a process each and no
+# new crossing. LoRA's two-process test runs `fsdp` and `dp_pp` (tests/test_lora.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["fsdp", "dp_tp", "dp_pp", "dp_pp_tp"])
+@pytest.mark.parametrize("preset", ["fsdp", "dp_pp_tp"])
 def test_two_processes_train_like_one(data_dir, tmp_path, tmp_path_factory, preset):
     out = launch(config(data_dir, tmp_path / "run", preset), tmp_path)
     assert "mesh {" in out and "checkpoint:" in out

@@ -1,7 +1,6 @@
 """Time budgets (`minigpt.budget`): the decisions, against a fake clock, step by step; and a real
 budgeted run whose refits never recompile the train step."""
 
-import dataclasses
 import json
 import logging
 import time
@@ -9,10 +8,10 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import small_vocab
 
 from minigpt import train
 from minigpt.config import TrainConfig
-from minigpt.models import get_config
 from minigpt.train.budget import TimeBudget
 
 
@@ -122,14 +121,12 @@ def test_a_budget_shorter_than_compiling_stops_after_the_first_step():
 
 
 def test_a_budgeted_run_ends_its_cosine_with_the_time_and_compiles_its_step_once(
-        small_stories, tmp_path, caplog):
+        data_4k, tmp_path, caplog):
     budget = 30.0
-    cfg = TrainConfig(preset="dp", model="llama-tiny", data=(str(small_stories),),
-                      data_root=str(tmp_path / "data"), out=str(tmp_path / "run"), steps=5,
-                      batch_size=8, seq_len=64, lr=3e-3, time_budget=budget, eval_batches=1,
-                      eval_every=40, save_every=10_000)
-    model = dataclasses.replace(get_config("llama-tiny"), tokenizer="tinystories-4k",
-                                vocab_size=4096)
+    cfg = TrainConfig(preset="dp", model="llama-tiny", data=(str(data_4k),),
+                      out=str(tmp_path / "run"), steps=5, batch_size=8, seq_len=64, lr=3e-3,
+                      time_budget=budget, eval_batches=1, eval_every=40, save_every=10_000)
+    model = small_vocab("llama-tiny")
     start = time.monotonic()
     jax.config.update("jax_log_compiles", True)
     try:

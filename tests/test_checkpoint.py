@@ -36,6 +36,12 @@ def state(preset_name: str, seed: int):
     return sharding.create_sharded(build, preset, sharding.make_mesh(preset))
 
 
+@pytest.fixture(scope="module")
+def dp_state():
+    """A model and its optimizer under dp, created once: the tests below only save and read."""
+    return state("dp", seed=0)
+
+
 def arrays(obj) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(v)
             for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(obj))}
@@ -62,8 +68,8 @@ def test_a_checkpoint_restores_exactly_into_another_presets_layout(tmp_path):
     assert kernel.sharding.spec == jax.P(None, None, "model")  # dp_tp's layout, not fsdp's
 
 
-def test_only_the_last_checkpoints_are_kept_and_a_step_is_written_once(tmp_path):
-    model, optimizer = state("dp", seed=0)
+def test_only_the_last_checkpoints_are_kept_and_a_step_is_written_once(tmp_path, dp_state):
+    model, optimizer = dp_state
     checkpointer = Checkpointer(tmp_path, keep=2)
     for step in (1, 2, 3):
         assert checkpointer.save(step, model, optimizer, data_state={}, rng=jax.random.key(0))
@@ -74,8 +80,8 @@ def test_only_the_last_checkpoints_are_kept_and_a_step_is_written_once(tmp_path)
     checkpointer.close()
 
 
-def test_restoring_where_there_is_no_checkpoint_says_so(tmp_path):
-    model, _ = state("dp", seed=0)
+def test_restoring_where_there_is_no_checkpoint_says_so(tmp_path, dp_state):
+    model, _ = dp_state
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         Checkpointer(tmp_path / "empty").restore(model)
 

@@ -4,15 +4,15 @@ it, refuses real differences by name, and extends a finished run as the README s
 import dataclasses
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
-from conftest import losses
+from conftest import losses, small_vocab
 
 from minigpt import train
 from minigpt.config import ConfigError, TrainConfig
-from minigpt.models import get_config
 from minigpt.runs import RunDir
 from minigpt.train import cli, steps
 
@@ -197,33 +197,40 @@ def test_pressing_up_and_adding_resume_continues_exactly(command, small_stories,
     assert losses(tmp_path / "run") == losses(tmp_path / "straight")
 
 
-def test_extending_a_finished_run_says_what_it_does_and_goes_on_at_the_floor(
-        data_dir, tmp_path, capsys):
-    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_dir),),
-                      out=str(tmp_path / "run"), steps=4, batch_size=8, seq_len=32, lr=3e-3,
-                      warmup_steps=1, eval_every=100, eval_batches=1, save_every=2)
-    train.train(get_config("minigpt-tiny"), cfg, sample=False)
-    capsys.readouterr()
-    assert train.main(["--out", cfg.out, "--resume", "--steps", "8", "--no-sample"]) == 0
+@pytest.fixture(scope="module")
+def finished(data_4k, tmp_path_factory) -> Path:
+    """Four steps of the tiny model (TinyStories vocabulary), its cosine ended: trained once
+    for the module, copied by the tests that go on from it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_4k),), out=str(out),
+                      steps=4, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=1,
+                      eval_every=100, eval_batches=1, save_every=2)
+    train.train(small_vocab("minigpt-tiny"), cfg, sample=False)
+    return out
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    """A copy of the finished run, this test's to change."""
+    return Path(shutil.copytree(finished, tmp_path / "run"))
+
+
+def test_extending_a_finished_run_says_what_it_does_and_goes_on_at_the_floor(run, capsys):
+    assert train.main(["--out", str(run), "--resume", "--steps", "8", "--no-sample"]) == 0
     printed = capsys.readouterr().out
     assert ("the run now ends at step 8 instead of 4: the learning rate goes on from 0.0003 "
             "(its value at step 4) and holds at 0.0003 until step 8") in printed
-    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").open()]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     rates = [r["lr"] for r in records if "lr" in r]
     assert rates[:4] == pytest.approx([3e-3, 3e-3, 2.325e-3, 9.75e-4])  # the saved cosine
     assert rates[4:] == pytest.approx([3e-4] * 4)  # then the floor, to the new end
-    saved = json.loads((Path(cfg.out) / "config.json").read_text())["train"]
+    saved = json.loads((run / "config.json").read_text())["train"]
     assert (saved["steps"], saved["decay_start"], saved["warmup_steps"]) == (8, 4, 1)
     # Resuming again (the same command, or none) goes on with that schedule, with no message.
-    assert train.main(["--out", cfg.out, "--resume", "--steps", "8", "--no-sample"]) == 0
+    assert train.main(["--out", str(run), "--resume", "--steps", "8", "--no-sample"]) == 0
     assert "now ends" not in capsys.readouterr().out
 
 
-def test_a_run_cannot_be_resumed_behind_its_step(data_dir, tmp_path, capsys):
-    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_dir),),
-                      out=str(tmp_path / "run"), steps=4, batch_size=8, seq_len=32,
-                      eval_every=100, eval_batches=1, save_every=2)
-    train.train(get_config("minigpt-tiny"), cfg, sample=False)
-    capsys.readouterr()
-    assert train.main(["--out", cfg.out, "--resume", "--steps", "2"]) == 2
+def test_a_run_cannot_be_resumed_behind_its_step(run, capsys):
+    assert train.main(["--out", str(run), "--resume", "--steps", "2"]) == 2
     assert "is at step 4, past --steps 2: give a later step" in capsys.readouterr().err

@@ -65,7 +65,8 @@ def test_a_model_trains_and_tells_stories_with_the_tinystories_tokenizer(small_s
     code = train.main(["--model", "llama-tiny", "--tokenizer", "tinystories-4k", "--preset",
                        "dp", "--data", str(small_stories), "--set",
                        f"data_root={tmp_path / 'data'}", "--steps", "3", "--batch-size", "8",
-                       "--seq-len", "32", "--out", str(out), "--set", "eval_batches=1"])
+                       "--seq-len", "32", "--out", str(out), "--set", "eval_batches=1",
+                       "--no-sample"])  # the closing sample: tests/test_train.py's CLI run
     assert code == 0
     saved = json.loads((out / "config.json").read_text())
     assert saved["model"]["tokenizer"] == "tinystories-4k" and saved["model"]["vocab_size"] == 4096

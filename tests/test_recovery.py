@@ -1,6 +1,10 @@
 """What really goes wrong in a long run, made to happen for real: a torn metrics line, a latest
 checkpoint garbled on disk, a save interrupted mid-write, a learning rate that diverges. None of
-them may cost the run, or overwrite what is good."""
+them may cost the run, or overwrite what is good.
+
+The runs are the tiny model with the TinyStories vocabulary, all of one shape (one compiled
+step). A six-step run (`six`, checkpoints at 2, 4 and 6) is trained once; tests damage copies of
+it and resume them to step 8, which must give the losses of eight uninterrupted steps."""
 
 import dataclasses
 import hashlib
@@ -14,25 +18,43 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import losses
+from conftest import losses, small_vocab
 from flax import nnx
 
 import minigpt
 from minigpt import generate, train
 from minigpt.checkpoint import TEMPORARY_MARK, Checkpointer, CheckpointError
 from minigpt.config import ConfigError, TrainConfig
-from minigpt.models import build_model, get_config
+from minigpt.models import build_model
 from minigpt.train import metrics, trainer
 
-MODEL = get_config("minigpt-tiny")
+MODEL = small_vocab("minigpt-tiny")
+
+
+def short_run(data: Path, out: Path) -> TrainConfig:
+    return TrainConfig(preset="fsdp", model="minigpt-tiny", data=(str(data),), out=str(out),
+                       steps=6, decay_steps=8, batch_size=8, seq_len=32, lr=3e-3,
+                       warmup_steps=2, eval_every=100, eval_batches=1, save_every=2,
+                       log_every=1)
 
 
 @pytest.fixture
-def config(data_dir, tmp_path):
-    return TrainConfig(preset="fsdp", model="minigpt-tiny", data=(str(data_dir),),
-                       out=str(tmp_path / "run"), steps=6, decay_steps=8, batch_size=8,
-                       seq_len=32, lr=3e-3, warmup_steps=2, eval_every=100, eval_batches=1,
-                       save_every=2, log_every=1)
+def config(data_4k, tmp_path) -> TrainConfig:
+    return short_run(data_4k, tmp_path / "run")
+
+
+@pytest.fixture(scope="module")
+def six(data_4k, tmp_path_factory) -> Path:
+    """The short run's six steps, trained once for the module; tests change only copies."""
+    out = tmp_path_factory.mktemp("six") / "run"
+    train.train(MODEL, short_run(data_4k, out), sample=False)
+    return out
+
+
+@pytest.fixture
+def trained(six, config) -> Path:
+    """A copy of `six` at `config.out`, as if `config` had trained it."""
+    return Path(shutil.copytree(six, config.out))
 
 
 def files_digest(directory: Path) -> dict[str, str]:
@@ -55,9 +77,8 @@ def uninterrupted(config, straight) -> list[float]:
     return straight(MODEL, dataclasses.replace(config, steps=8))
 
 
-def test_a_torn_last_metrics_line_does_not_block_resume(config, uninterrupted):
-    train.train(MODEL, config, sample=False)
-    metrics = Path(config.out) / "metrics.jsonl"
+def test_a_torn_last_metrics_line_does_not_block_resume(config, trained, uninterrupted):
+    metrics = trained / "metrics.jsonl"
     with metrics.open("a") as f:
         f.write('{"step": 7, "grad_norm": 0.5, "lo')  # killed mid-append
     with pytest.warns(UserWarning, match=r"metrics.jsonl, line 8: not a complete record"):
@@ -73,9 +94,9 @@ QUIET = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarni
 
 
 @QUIET
-def test_resume_falls_back_past_a_garbled_latest_checkpoint(config, uninterrupted, capsys):
-    train.train(MODEL, config, sample=False)
-    checkpoints = Path(config.out) / "checkpoints"
+def test_resume_falls_back_past_a_garbled_latest_checkpoint(config, trained, uninterrupted,
+                                                            capsys):
+    checkpoints = trained / "checkpoints"
     garble(checkpoints / "6")
     damaged = files_digest(checkpoints / "6")
     summary = train.train(MODEL, dataclasses.replace(config, steps=8), resume=True,
@@ -92,9 +113,9 @@ def test_resume_falls_back_past_a_garbled_latest_checkpoint(config, uninterrupte
 
 
 @QUIET
-def test_generation_skips_a_garbled_latest_checkpoint_and_touches_nothing(config, capsys):
-    train.train(MODEL, config, sample=False)
-    checkpoints = Path(config.out) / "checkpoints"
+def test_generation_skips_a_garbled_latest_checkpoint_and_touches_nothing(config, trained,
+                                                                           capsys):
+    checkpoints = trained / "checkpoints"
     garble(checkpoints / "6")
     before = files_digest(checkpoints)
     with pytest.warns(UserWarning, match="checkpoint 6 of .* cannot be read .* using step 4"):
@@ -118,11 +139,12 @@ class _AbandonedRead:
         raise RuntimeError("Event loop is closed")
 
 
-def test_reads_that_report_before_the_failure_reaches_us_stay_quiet(config, monkeypatch):
+def test_reads_that_report_before_the_failure_reaches_us_stay_quiet(trained, monkeypatch):
     """TensorStore's threads can report an abandoned read before Orbax's error reaches the
     checkpointer: the filter must already be in place when the restore starts."""
-    train.train(MODEL, dataclasses.replace(config, steps=2), sample=False)
-    checkpointer = Checkpointer(Path(config.out) / "checkpoints", read_only=True)
+    for later in ("4", "6"):  # one checkpoint: one failing restore
+        shutil.rmtree(trained / "checkpoints" / later)
+    checkpointer = Checkpointer(trained / "checkpoints", read_only=True)
 
     class _Unrelated:
         def __del__(self):
@@ -141,9 +163,10 @@ def test_reads_that_report_before_the_failure_reaches_us_stay_quiet(config, monk
     assert [str(u.exc_value) for u in reported] == ["something else"]  # only the noise dropped
 
 
-def test_a_save_interrupted_mid_write_is_never_restored(config, uninterrupted, capsys):
-    train.train(MODEL, dataclasses.replace(config, steps=4), sample=False)
-    checkpoints = Path(config.out) / "checkpoints"
+def test_a_save_interrupted_mid_write_is_never_restored(config, trained, uninterrupted,
+                                                        capsys):
+    checkpoints = trained / "checkpoints"
+    shutil.rmtree(checkpoints / "6")  # stopped after step 4 was saved
     leftover = checkpoints / f"6{TEMPORARY_MARK}1700000000"
     shutil.copytree(checkpoints / "4", leftover)  # looks like a checkpoint, but was never done
     assert Checkpointer(checkpoints, read_only=True).all_steps() == [2, 4]
@@ -200,9 +223,8 @@ def test_a_run_that_diverges_before_saving_is_told_a_command_that_starts_it_agai
     assert len(losses(cfg.out)) == 4 and all(map(math.isfinite, losses(cfg.out)))
 
 
-def test_the_library_refuses_to_overwrite_a_run(config):
-    train.train(MODEL, dataclasses.replace(config, steps=2), sample=False)
-    before = files_digest(Path(config.out))
+def test_the_library_refuses_to_overwrite_a_run(config, trained):
+    before = files_digest(trained)
     with pytest.raises(ConfigError, match="already holds checkpoints: pass --resume"):
         train.train(MODEL, config, sample=False)
     assert files_digest(Path(config.out)) == before

@@ -203,13 +203,13 @@ def test_import_then_export_gives_back_the_same_tensors(tmp_path, qk_norm):
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (
         hf / "tokenizer.json").read_bytes()
     text = "Once upon a time, 12 cats sat  on a mat.\n\nThe end."
-    run_tokenizer = load_run(tmp_path / "run").tokenizer
+    loaded = load_run(tmp_path / "run")
     exported = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
-    assert exported.encode(text).ids == run_tokenizer.encode_ordinary(text)
+    assert exported.encode(text).ids == loaded.tokenizer.encode_ordinary(text)
     assert exported.encode(text).ids == load_tokenizer("tinystories-4k").encode_ordinary(text)
     # import of the export: the same parameters, bit for bit
     assert hub.main(["import", str(tmp_path / "out"), "--out", str(tmp_path / "again")]) == 0
-    first, second = load_run(tmp_path / "run").model, load_run(tmp_path / "again").model
+    first, second = loaded.model, load_run(tmp_path / "again").model
     for a, b in zip(jax.tree.leaves(nnx.state(first)), jax.tree.leaves(nnx.state(second))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -419,10 +419,9 @@ def test_a_new_run_starts_from_imported_weights_and_resumes(tmp_path, small_stor
         imported / "tokenizer" / "tokenizer.json").read_bytes()
     # two steps at a learning rate of 1e-9 leave the imported weights (a fresh model would not
     # be anywhere near them)
-    start = load_run(imported).model
-    tuned, step = load_run(new).model, load_run(new).step
-    assert step == 2
-    for a, b in zip(jax.tree.leaves(nnx.state(start)), jax.tree.leaves(nnx.state(tuned))):
+    start, tuned = load_run(imported).model, load_run(new)
+    assert tuned.step == 2
+    for a, b in zip(jax.tree.leaves(nnx.state(start)), jax.tree.leaves(nnx.state(tuned.model))):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
     # the command that started it, with --resume added and a new end, goes on
     assert cli.run([*argv, "--resume", "--steps", "3"], train) == 0

@@ -38,8 +38,12 @@ def base_params(model) -> dict[str, np.ndarray]:
             for p, v in jax.tree_util.tree_leaves_with_path(frozen)}
 
 
+# One jitted forward for the module: models of the same structure and layout share its compile.
+_forward = nnx.jit(lambda m, t: m(t))
+
+
 def logits_of(model, ids, vocab):
-    return np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ids)))[..., :vocab]
+    return np.asarray(_forward(model, jnp.asarray(ids)))[..., :vocab]
 
 
 # --- the layers -------------------------------------------------------------------------------
@@ -276,12 +280,28 @@ def tuned(tmp_path_factory, small_stories):
     return hf, imported, new
 
 
+@pytest.fixture(scope="module")
+def adapted(tuned):
+    """The LoRA run's latest weights, loaded once for the module (its adapters beside the base;
+    the tests only read it)."""
+    return load_run(tuned[2])
+
+
+@pytest.fixture(scope="module")
+def adapter(tuned, tmp_path_factory):
+    """The LoRA run's adapters exported once as a PEFT adapter folder (the tests copy it before
+    changing anything in it)."""
+    out = tmp_path_factory.mktemp("peft") / "adapter"
+    assert hub.main(["export", "--run", str(tuned[2]), "--out", str(out), "--adapter"]) == 0
+    return out
+
+
 IDS = np.random.default_rng(1).integers(0, 4096, size=(2, 12))
 
 
-def test_a_lora_run_leaves_its_imported_base_bitwise_and_records_its_adapters(tuned):
+def test_a_lora_run_leaves_its_imported_base_bitwise_and_records_its_adapters(tuned, adapted):
     _, imported, new = tuned
-    start, done = load_run(imported), load_run(new)
+    start, done = load_run(imported), adapted
     assert done.step == 2
     assert all(np.array_equal(v, base_params(start.model)[k])
                for k, v in base_params(done.model).items())
@@ -295,9 +315,8 @@ def test_a_lora_run_leaves_its_imported_base_bitwise_and_records_its_adapters(tu
     assert all(lora.ADAPTER in n for n in stored if "step" not in n and "count" not in n)
 
 
-def test_a_merged_export_imports_as_the_adapted_model(tuned, tmp_path):
+def test_a_merged_export_imports_as_the_adapted_model(tuned, adapted, tmp_path):
     _, _, new = tuned
-    adapted = load_run(new)
     assert hub.main(["export", "--run", str(new), "--out", str(tmp_path / "merged")]) == 0
     assert hub.main(["import", str(tmp_path / "merged"), "--out", str(tmp_path / "back")]) == 0
     back = load_run(tmp_path / "back")
@@ -315,19 +334,18 @@ def test_a_merged_export_imports_as_the_adapted_model(tuned, tmp_path):
     assert told[0] == told[1] and len(told[0]) == 8
 
 
-def test_a_peft_adapter_goes_out_and_back_in_onto_its_base(tuned, tmp_path, capsys):
-    _, imported, new = tuned
-    out = tmp_path / "adapter"
-    assert hub.main(["export", "--run", str(new), "--out", str(out), "--adapter"]) == 0
-    config = json.loads((out / peft.CONFIG).read_text())
+def test_a_peft_adapter_goes_out_and_back_in_onto_its_base(tuned, adapted, adapter, tmp_path,
+                                                           capsys):
+    _, imported, _ = tuned
+    config = json.loads((adapter / peft.CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
     assert config["base_model_name_or_path"] == str(imported.parent / "hf")
     assert sorted(config["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])
-    assert hub.main(["import", str(out), "--base", str(imported), "--out",
+    assert hub.main(["import", str(adapter), "--base", str(imported), "--out",
                      str(tmp_path / "again")]) == 0
     assert "--init-from" in capsys.readouterr().out
-    again, adapted = load_run(tmp_path / "again"), load_run(new)
+    again = load_run(tmp_path / "again")
     for (path, dense), (_, theirs) in zip(lora.adapted(again.model), lora.adapted(adapted.model)):
         for k in "ab":
             np.testing.assert_array_equal(np.asarray(getattr(dense.lora, k).get_value()),
@@ -337,18 +355,16 @@ def test_a_peft_adapter_goes_out_and_back_in_onto_its_base(tuned, tmp_path, caps
                                   logits_of(adapted.model, IDS, 4096))
 
 
-def test_peft_loads_the_adapter_onto_the_original_checkpoint(tuned, tmp_path):
+def test_peft_loads_the_adapter_onto_the_original_checkpoint(tuned, adapted, adapter):
     torch = pytest.importorskip("torch", reason="torch is the [hf] extra (a large download)")
     transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
     peft_lib = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
-    hf, _, new = tuned
-    assert hub.main(["export", "--run", str(new), "--out", str(tmp_path / "adapter"),
-                     "--adapter"]) == 0
+    hf = tuned[0]
     base = transformers.LlamaForCausalLM.from_pretrained(hf)
-    model = peft_lib.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    model = peft_lib.PeftModel.from_pretrained(base, adapter).eval()
     with torch.no_grad():
         theirs = model(torch.tensor(IDS)).logits.float().numpy()
-    ours = logits_of(load_run(new).model, IDS, 4096)
+    ours = logits_of(adapted.model, IDS, 4096)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
     with torch.no_grad():  # and the adapters change what the base computes
         plain = transformers.LlamaForCausalLM.from_pretrained(hf)(torch.tensor(IDS)).logits
@@ -356,10 +372,10 @@ def test_peft_loads_the_adapter_onto_the_original_checkpoint(tuned, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_new_run_continues_an_imported_adapter(tuned, tmp_path, small_stories, capsys):
-    _, imported, new = tuned
-    assert hub.main(["export", "--run", str(new), "--out", str(tmp_path / "a"), "--adapter"]) == 0
-    assert hub.main(["import", str(tmp_path / "a"), "--base", str(imported), "--out",
+def test_a_new_run_continues_an_imported_adapter(tuned, adapter, tmp_path, small_stories,
+                                                 capsys):
+    _, imported, _ = tuned
+    assert hub.main(["import", str(adapter), "--base", str(imported), "--out",
                      str(tmp_path / "b")]) == 0
 
     def start(out, *lora_settings):
@@ -399,16 +415,14 @@ def test_bad_lora_requests_are_refused_in_one_line(data_dir, tmp_path, capsys, c
     assert not (tmp_path / "bad").exists()
 
 
-def test_bad_adapter_exports_and_imports_are_refused_in_one_line(tuned, tmp_path, capsys):
-    hf, imported, new = tuned
+def test_bad_adapter_exports_and_imports_are_refused_in_one_line(tuned, adapter, tmp_path,
+                                                                capsys):
+    _, imported, new = tuned
     assert hub.main(["export", "--run", str(imported), "--out", str(tmp_path / "x"),
                      "--adapter"]) == 2
     assert "has no adapters" in capsys.readouterr().err
-    assert hub.main(["export", "--run", str(new), "--out", str(tmp_path / "good"),
-                     "--adapter"]) == 0
-    capsys.readouterr()
     other_name = tmp_path / "renamed"
-    shutil.copytree(tmp_path / "good", other_name)
+    shutil.copytree(adapter, other_name)
     config = json.loads((other_name / peft.CONFIG).read_text())
     (other_name / peft.CONFIG).write_text(json.dumps(
         {**config, "base_model_name_or_path": "meta-llama/Llama-3.2-1B"}))
@@ -416,16 +430,16 @@ def test_bad_adapter_exports_and_imports_are_refused_in_one_line(tuned, tmp_path
     config, w = llama_checkpoint(L=2, V=4096, D=128, N=8, K=2, F=96)
     write_hf(tmp_path / "hf-bigger", config, w, tokenizer="tinystories-4k")
     assert hub.main(["import", str(tmp_path / "hf-bigger"), "--out", str(bigger)]) == 0
-    shutil.copytree(tmp_path / "good", tmp_path / "nameless")
+    shutil.copytree(adapter, tmp_path / "nameless")
     config = json.loads((tmp_path / "nameless" / peft.CONFIG).read_text())
     (tmp_path / "nameless" / peft.CONFIG).write_text(json.dumps(
         {**config, "base_model_name_or_path": None}))
     capsys.readouterr()
-    for adapter, base, message in [
+    for folder, base, message in [
             (other_name, imported, "made for 'meta-llama/Llama-3.2-1B'"),
             (tmp_path / "nameless", bigger, "made for another base model"),
-            (tmp_path / "good", new, "carries adapters of its own")]:
-        assert hub.main(["import", str(adapter), "--base", str(base), "--out",
+            (adapter, new, "carries adapters of its own")]:
+        assert hub.main(["import", str(folder), "--base", str(base), "--out",
                          str(tmp_path / "never")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import small_vocab
 from hf_checkpoints import llama_checkpoint, write_hf
 
 from minigpt import data, generate, hub, train
 from minigpt.config import TrainConfig
-from minigpt.models import get_config
 
-MODEL = get_config("minigpt-tiny")
+# The vocabulary is no matter here: TinyStories' 4,096 tokens keep the run's steps small.
+MODEL = small_vocab("minigpt-tiny")
 COMMANDS = {"train": train.main, "generate": generate.main, "hub": hub.main, "data": data.main}
 
 
@@ -33,10 +34,10 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def trained(data_dir, tmp_path_factory) -> Path:
-    """A minigpt-tiny run of two steps with a checkpoint at each."""
+def trained(data_4k, tmp_path_factory) -> Path:
+    """A minigpt-tiny run (TinyStories' vocabulary) of two steps with a checkpoint at each."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_dir),), out=str(out),
+    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_4k),), out=str(out),
                       steps=2, batch_size=8, seq_len=32, eval_every=100, eval_batches=1,
                       save_every=1)
     train.train(MODEL, cfg, sample=False)
@@ -148,12 +149,12 @@ def test_init_from_a_file_is_refused(data_dir, tmp_path, capsys):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_init_from_unreadable_checkpoints_writes_nothing(run, data_dir, tmp_path, capsys):
+def test_init_from_unreadable_checkpoints_writes_nothing(run, data_4k, tmp_path, capsys):
     rng = np.random.default_rng(0)
     for path in (run / "checkpoints").rglob("*"):
         if path.is_file() and path.parent.name == "d":
             path.write_bytes(rng.bytes(path.stat().st_size))
-    refuses(capsys, tmp_path, "train", ["--init-from", str(run), "--data", str(data_dir),
+    refuses(capsys, tmp_path, "train", ["--init-from", str(run), "--data", str(data_4k),
                                         "--steps", "1", "--out", str(tmp_path / "new")],
             "can be read")
     assert not (tmp_path / "new").exists()
@@ -273,6 +274,6 @@ def test_data_of_a_file_that_is_not_there_is_refused(tmp_path, capsys):
                                        "--out", str(tmp_path / "data")], "no such file")
 
 
-def test_the_trainer_checks_configs_made_in_python_too(data_dir, tmp_path):
+def test_the_trainer_checks_configs_made_in_python_too():
     with pytest.raises(Exception, match="train.lr must be a finite number"):
         dataclasses.replace(TrainConfig(), lr=float("nan"))

@@ -192,8 +192,16 @@ def build(cfg):
 _runs: dict = {}
 
 
-def three_steps(preset_name: str, cfg, microbatches: int = 1) -> list[dict]:
-    """The metrics of three AdamW steps on random batches of 16 sequences of 32 tokens."""
+@pytest.fixture(scope="module", autouse=True)
+def _drop_runs():
+    """The runs below keep their models on the devices for this file's tests, not the next's."""
+    yield
+    _runs.clear()
+
+
+def stepped(preset_name: str, cfg, microbatches: int = 1) -> dict:
+    """Three AdamW steps on random batches of 16 sequences of 32 tokens, once per file: their
+    metrics, and the model, optimizer, last batch and context they ran in."""
     key = (preset_name, cfg, microbatches)
     if key not in _runs:
         preset = sharding.load_preset(preset_name)
@@ -209,8 +217,14 @@ def three_steps(preset_name: str, cfg, microbatches: int = 1) -> list[dict]:
                 found.append(jax.tree.map(np.asarray, steps.train_step(
                     model, optimizer, batch, jax.random.key(0), RATES,
                     microbatches=microbatches)))
-        _runs[key] = found
+        _runs[key] = dict(metrics=found, model=model, optimizer=optimizer, batch=batch,
+                          context=(preset, mesh, plan))
     return _runs[key]
+
+
+def three_steps(preset_name: str, cfg, microbatches: int = 1) -> list[dict]:
+    """The metrics of `stepped`'s three steps."""
+    return stepped(preset_name, cfg, microbatches)["metrics"]
 
 
 def assert_same_steps(reference, found):
@@ -261,18 +275,17 @@ def test_gradient_accumulation_gives_the_same_step():
 
 
 def test_the_expert_axis_moves_tokens_by_all_to_all_and_gathers_experts_only_if_crowded():
-    cfg = TINY
-    preset = sharding.load_preset("ep")
-    mesh = sharding.make_mesh(preset)
-    model, optimizer = sharding.create_sharded(lambda: build(cfg), preset, mesh)
+    # The step the default run's `ep` comparison ran, lowered with what it ran on: the program
+    # JAX compiled for it (from its cache, where the lowering is the same).
+    run = stepped("ep", TINY)
+    model, optimizer = run["model"], run["optimizer"]
     kernel = model.blocks.layers.mlp.experts.gate.kernel.get_value()
-    assert kernel.sharding.spec == jax.P(None, "expert", None, None)  # its expert, each layer
+    spec = tuple(kernel.sharding.spec)  # after a step JAX writes it without trailing Nones
+    assert spec + (None,) * (kernel.ndim - len(spec)) == (None, "expert", None, None)
     assert kernel.addressable_shards[0].data.shape == (2, 1, 64, 64)
-    with sharding.use_preset(preset, mesh):
-        batch = sharding.put_batch(random_batch(cfg.vocab_size, 16, 32),
-                                   sharding.batch_sharding(preset, mesh))
-        text = steps.train_step.lower(model, optimizer, batch, jax.random.key(0),
-                                      RATES).compile().as_text()
+    with sharding.use_preset(*run["context"]):
+        text = steps.train_step.lower(model, optimizer, run["batch"], jax.random.key(0), RATES,
+                                      microbatches=1).compile().as_text()
     lines = text.splitlines()
     assert sum(" all-to-all(" in line for line in lines) >= 4  # there and back, both passes
     # The experts' weights are gathered only in the branch a crowded step takes (a router that

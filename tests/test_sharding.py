@@ -92,26 +92,50 @@ def test_the_promised_presets_exist_and_each_has_its_expected_table():
     assert set(PRESETS) == set(EXPECTED_SPECS)
 
 
+def asked_shardings(preset, mesh, cfg: ModelConfig = TINY) -> dict[str, tuple]:
+    """Every parameter's (logical axes, NamedSharding) as `create_sharded` asks for them: the
+    output shardings it compiles the initialisation with, from the abstract model alone."""
+    abstract = nnx.state(nnx.eval_shape(lambda: build_tiny(cfg)), nnx.Param)
+    leaves = jax.tree_util.tree_leaves_with_path(
+        sharding.state_shardings(preset, mesh, abstract),
+        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return {jax.tree_util.keystr(path): (tuple(var.get_metadata()["out_sharding"]),
+                                         var.get_value()) for path, var in leaves}
+
+
+def assert_born_as_asked(model, preset, mesh, cfg: ModelConfig = TINY):
+    """Each array `create_sharded` made lies exactly where it asked (`asked_shardings`)."""
+    asked = asked_shardings(preset, mesh, cfg)
+    born = {jax.tree_util.keystr(path): var.get_value() for path, var in
+            jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
+                                                is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    assert born.keys() == asked.keys() and len(born) > 10
+    for key, array in born.items():
+        assert array.sharding.is_equivalent_to(asked[key][1], array.ndim), key
+
+
 @pytest.mark.parametrize("name", sorted(EXPECTED_SPECS))
 def test_every_parameter_is_sharded_as_the_rules_say(name):
+    """The layout each preset gives minigpt-tiny, read without compiling anything; that the
+    arrays are born so is checked under `fsdp` and `fsdp_tp` below (and `pp`, `pp_tp`:
+    tests/test_pipeline.py, `ep`: tests/test_moe.py)."""
     preset = sharding.load_preset(name)
     mesh = sharding.make_mesh(preset)
     assert mesh.size == 8
     cfg = get_config("minigpt-tiny8") if EXPECTED_SPECS[name][1] else TINY  # layers to split
-    model = sharding.create_sharded(lambda: build_tiny(cfg), preset, mesh)
-    params = jax.tree_util.tree_leaves_with_path(
-        nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))
-    assert len(params) > 10
-    for path, var in params:
-        axes = var.get_metadata()["out_sharding"]
-        array = var.get_value()
-        assert array.sharding.mesh.shape == mesh.shape, path
-        assert normalised(array.sharding.spec) == expected(name, tuple(axes)), path
+    sharding.check_divisible(preset, mesh, nnx.state(nnx.eval_shape(lambda: build_tiny(cfg))))
+    asked = asked_shardings(preset, mesh, cfg)
+    assert len(asked) > 10
+    for path, (axes, placed) in asked.items():
+        assert placed.mesh.shape == mesh.shape, path
+        assert normalised(placed.spec) == expected(name, axes), path
 
 
 def test_fsdp_splits_every_parameter_eight_ways():
     preset = sharding.load_preset("fsdp")
-    model = sharding.create_sharded(build_tiny, preset, sharding.make_mesh(preset))
+    mesh = sharding.make_mesh(preset)
+    model = sharding.create_sharded(build_tiny, preset, mesh)
+    assert_born_as_asked(model, preset, mesh)
     for var in jax.tree.leaves(nnx.state(model, nnx.Param)):
         assert any(size % 8 == 0 for size in var.shape)
         shard = var.addressable_shards[0].data
@@ -129,7 +153,9 @@ def test_optimizer_state_is_born_with_its_parameter_sharding():
         model = build_tiny()
         return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
 
-    model, optimizer = sharding.create_sharded(build, preset, sharding.make_mesh(preset))
+    mesh = sharding.make_mesh(preset)
+    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    assert_born_as_asked(model, preset, mesh)
     kernel = model.blocks.layers.mlp.up.kernel.get_value()
     adam = optimizer.opt_state[1][0]
     for moment in (adam.mu, adam.nu):

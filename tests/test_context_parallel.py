@@ -134,9 +134,19 @@ STEPS, SEQ = 3, 32
 _dp_runs: dict[str, tuple] = {}
 
 
+def config_of(model_name: str):
+    """The model with dropout on. Random batches need no tokenizer: the GPT-2-vocabulary models
+    take 8,200 tokens (8,320 with the padding), which keeps the fused loss in the form 50,257
+    take (above 8,192 it does not keep its logit gradients whole: minigpt.models.loss) with a
+    sixth of the output layer; moe-tiny keeps TinyStories' 4,096, the form below that."""
+    cfg = get_config(model_name)
+    vocab = cfg.vocab_size if cfg.vocab_size < 8192 else 8200
+    return dataclasses.replace(cfg, dropout=0.1, vocab_size=vocab)
+
+
 def _train(model_name: str, preset_name: str, strategy: str = "ring"):
     """Losses and gradient norms of STEPS steps with dropout, and the parameters after."""
-    cfg = dataclasses.replace(get_config(model_name), dropout=0.1)
+    cfg = config_of(model_name)
 
     def build():
         model = build_model(cfg, rngs=nnx.Rngs(0))
@@ -167,21 +177,23 @@ def _dp(model_name: str):
 
 
 def step_cases():
-    """Every architecture under every context preset (the mixture of experts under the three
-    the issue names): minigpt-tiny (learned positions, dropout) with both strategies, the others
-    with the ring and the all-gather by turns, so each architecture meets both. The default run
-    checks minigpt-tiny under `cp` with the ring (each case compiles a step: about 20 s on 2
-    cores; both strategies' attention and gradients are compared in the default run above);
+    """Which (model, preset, strategy) triples run. The rule: minigpt-tiny (learned positions,
+    dropout) under every context preset, the ring and the all-gather by turns; each other
+    architecture under two of them, one per strategy (the mixture of experts under two of the
+    three the issue names for it: cp, dp_cp, fsdp_cp), chosen so that they differ. The default
+    run checks minigpt-tiny under `cp` with the ring (each case compiles a step: about 20 s on
+    2 cores; both strategies' attention and gradients are compared in the default run above);
     `-m slow` runs the rest."""
-    for model_name in ("minigpt-tiny", "gpt2-tiny", "llama-tiny", "moe-tiny"):
-        presets = [n for n in CONTEXT_PRESETS
-                   if model_name != "moe-tiny" or n in ("cp", "dp_cp", "fsdp_cp")]
-        for i, name in enumerate(presets):
-            strategies = STRATEGIES if model_name == "minigpt-tiny" else [STRATEGIES[i % 2]]
-            for strategy in strategies:
-                quick = (model_name, name, strategy) == ("minigpt-tiny", "cp", "ring")
-                yield pytest.param(model_name, name, strategy,
-                                   marks=[] if quick else [pytest.mark.slow])
+    for i, name in enumerate(CONTEXT_PRESETS):
+        strategy = STRATEGIES[i % 2]
+        quick = (name, strategy) == ("cp", "ring")
+        yield pytest.param("minigpt-tiny", name, strategy,
+                           marks=[] if quick else [pytest.mark.slow])
+    for model_name, ring, gather in [("gpt2-tiny", "cp_tp", "fsdp_cp"),
+                                     ("llama-tiny", "fsdp_cp_tp", "dp_cp"),
+                                     ("moe-tiny", "fsdp_cp", "dp_cp")]:
+        yield pytest.param(model_name, ring, "ring", marks=[pytest.mark.slow])
+        yield pytest.param(model_name, gather, "all_gather", marks=[pytest.mark.slow])
 
 
 @pytest.mark.parametrize("model_name, name, strategy", list(step_cases()))
@@ -196,8 +208,8 @@ def test_training_steps_under_context_parallelism_equal_dp(model_name, name, str
 
 
 def test_dropout_is_on_in_the_step_comparison():
-    cfg = get_config("minigpt-tiny")
-    model = build_model(dataclasses.replace(cfg, dropout=0.1), rngs=nnx.Rngs(0))
+    cfg = config_of("minigpt-tiny")
+    model = build_model(cfg, rngs=nnx.Rngs(0))
     batch = {k: jnp.asarray(v) for k, v in random_batch(cfg.vocab_size, 2, SEQ).items()}
     keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(7), jnp.arange(2))
     loss = nnx.jit(lambda model, keys: model.loss(batch, keys))

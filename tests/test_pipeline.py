@@ -188,7 +188,9 @@ def test_evaluation_runs_the_forwards_alone_and_gives_the_same_loss():
 @pytest.mark.parametrize("preset_name, schedule_name", [("fsdp_pp", "1f1b"),
                                                         ("dp_pp", "circular")])
 def test_three_adamw_steps_agree_with_data_parallel(preset_name, schedule_name):
-    cfg = deep("minigpt-tiny", dropout=0.0)  # masks: the parity test; ReLU kinks: its docstring
+    # Masks: the parity test; ReLU kinks: its docstring. GPT-2's vocabulary: with 8,200 tokens a
+    # few weights of near-zero gradient moved by float noise just past the tolerance.
+    cfg = deep("minigpt-tiny", dropout=0.0, vocab_size=get_config("minigpt-tiny").vocab_size)
     params = {}
     for name, plan in (("dp", None), (preset_name, settings(schedule_name))):
         preset, mesh, model, optimizer = on(name, cfg, plan)

@@ -119,13 +119,11 @@ def packed_and_alone(preset_name: str, name: str, strategy: str = "ring"):
         return packed, alone(0, split), alone(split, T), split / T
 
 
-# Each architecture once and each way attention is split: replicated (a mixture of experts),
-# heads over `model` with weights over `fsdp`, the ring and the all-gather over `context`, all
-# three together, and pipeline stages (a Llama there: its rotary positions are computed inside
-# the stages, where learned ones are added before them).
-CASES = [("dp", "moe-tiny", "ring"), ("fsdp_tp", "llama-tiny", "ring"),
+CASES = [("dp", "llama-tiny+qk_norm", "ring"), ("dp", "moe-tiny", "ring"),
+         ("fsdp_tp", "gpt2-tiny", "ring"), ("fsdp_tp", "llama-tiny", "ring"),
          ("cp", "llama-tiny", "ring"), ("cp", "minigpt-tiny", "all_gather"),
-         ("fsdp_cp_tp", "gpt2-tiny", "ring"), ("dp_pp", "llama-tiny+qk_norm", "ring")]
+         ("fsdp_cp_tp", "gpt2-tiny", "ring"), ("dp_pp", "minigpt-tiny", "ring"),
+         ("dp_pp", "llama-tiny+qk_norm", "ring")]
 
 
 @pytest.mark.slow

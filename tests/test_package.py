@@ -1,7 +1,7 @@
 """The package's shape: folders by concern with few modules at the top, imports that point one
 way (no cycles, counting imports inside functions), modules and functions short enough to read in
-one sitting, one door to the kernels, no private tiktoken attributes, and a README whose folder
-list is the tree."""
+one sitting, one door to the kernels, no private tiktoken attributes, and a folder list
+(docs/inside.md) that is the tree."""
 
 import ast
 import importlib.util
@@ -129,11 +129,11 @@ def test_every_command_of_the_readme_is_a_module_that_runs():
             assert importlib.util.find_spec(f"{command}.__main__") is not None, command
 
 
-def test_the_readme_folder_list_is_the_tree():
-    """The README's "Inside" section lists every folder and top-level module of the package,
-    each with what it holds, and nothing that is not there."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    inside = readme.split("## Inside", 1)[1].split("\n## ", 1)[0]
+def test_the_folder_list_is_the_tree():
+    """docs/inside.md (linked from the README's guides) lists every folder and top-level module
+    of the package, each with what it holds, and nothing that is not there."""
+    assert "(docs/inside.md)" in (PACKAGE.parent / "README.md").read_text()
+    inside = (PACKAGE.parent / "docs" / "inside.md").read_text()
     listed = set(re.findall(r"^\| `(\w+/?)`", inside, flags=re.M))
     tree = {p.name + "/" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     tree |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}

@@ -50,8 +50,10 @@ from bench import report as bench_report  # noqa: E402
 # its budget is stopped and recorded as such).
 BUDGETS = {"environment": 20, "tests": 80, "mfu": 130, "stories": 140, "generation": 25,
            "notebooks": 40}
-DRY_BUDGETS = {"environment": 20, "tests": 25, "mfu": 60, "stories": 60, "generation": 25,
-               "notebooks": 40}
+# The dry run's budgets are loose: it checks that each step works, on a CI runner whose two cores
+# run another test beside it (its generation step once took 27 s there).
+DRY_BUDGETS = {"environment": 60, "tests": 120, "mfu": 150, "stories": 150, "generation": 120,
+               "notebooks": 60}
 # The quick tests that cannot run on one accelerator: they simulate 8 CPU devices (presets that
 # split over several) or start several processes. Every other test file runs.
 DEVICE_BOUND = {

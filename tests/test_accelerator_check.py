@@ -40,7 +40,7 @@ def test_the_dry_run_reports_every_step_ok(tmp_path, small_stories):
     out = tmp_path / "check"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "accelerator_check.py"),
                            "--dry-run", "--out", str(out), "--data", str(small_stories)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["dry_run"] and report["ok"] and report["wheels"] is None

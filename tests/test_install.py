@@ -5,7 +5,6 @@ stories. Offline, the fresh environment borrows the test environment's installed
 (through a .pth line, which does not run the test environment's own .pth files, so the
 editable install of the checkout stays out of sight)."""
 
-import os
 import shutil
 import site
 import subprocess
@@ -14,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("gpt2")]
@@ -54,7 +54,7 @@ def test_a_wheel_installed_outside_the_checkout_trains_and_tells_stories(tmp_pat
     python = fresh_environment(tmp_path / "venv", build_wheel(tmp_path))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    env = child_env("PYTHONPATH")
 
     def run(*args: str) -> str:
         done = subprocess.run([str(python), *args], cwd=elsewhere, env=env,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import losses
+from conftest import child_env, losses
 
 from minigpt import train
 from minigpt.config import TrainConfig
@@ -48,17 +48,12 @@ def cli_args(cfg: TrainConfig, *, resume=False) -> list[str]:
     return args + (["--resume"] if resume else [])
 
 
-def child_env() -> dict[str, str]:
-    """The test process forces 8 devices through XLA_FLAGS; the launched processes choose their
-    own count."""
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-
-
 def launcher(train_args: list[str], log_dir: Path, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "minigpt.launch", "--processes", "2", "--devices-per-process", "4",
          "--log-dir", str(log_dir), "--", *train_args],
-        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+        env=child_env("JAX_PLATFORMS"),  # the launched processes choose their own devices
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
 def launch(cfg: TrainConfig, tmp_path: Path, *, resume=False) -> str:

@@ -23,6 +23,9 @@ EXPECTED = {
     "04_pretrained_weights.ipynb": ["imported", "tokenizer.json", "stops at:", "reply:",
                                     "starts from:", "LoRA rank 8", "held-out loss after",
                                     "imported weights unchanged: True",
+                                    "conversations in 04_chats.jsonl", " trained\n", "[[",
+                                    "reply before:", "loss on the replies: first step",
+                                    "held-out conversations after", "reply after:",
                                     "MiB of float32 weights", "model.safetensors",
                                     "adapter_model.safetensors"],
 }

@@ -8,12 +8,12 @@ revision, prepared once before the commands run, as a first run would prepare th
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 from minigpt.data import download, prepare_tinystories
 
@@ -63,8 +63,7 @@ def test_the_quickstart_runs_as_written(tmp_path, server, monkeypatch, stories_f
     for tokenizer in ("gpt2", "tinystories-4k"):
         prepare_tinystories(tmp_path / "data", "v1", base_url=server.url, tokenizer=tokenizer,
                             progress=False)
-    env = {**os.environ, "MINIGPT_HF_BASE": server.url}
-    env.pop("XLA_FLAGS", None)  # the commands choose their devices as the README says
+    env = {**child_env(), "MINIGPT_HF_BASE": server.url}  # devices as the README says
     commands, python = quickstart()
     assert len(commands) >= 6, commands
     used: set[str] = set()

@@ -1,14 +1,13 @@
 """Presets: every file applies to the tiny model as its rules say; bad presets are refused."""
 
 import math
-import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, child_env
 from flax import nnx
 
 from minigpt import explain, sharding
@@ -267,7 +266,7 @@ def test_explainer_prints_every_parameter_and_per_device_totals(capsys):
 
 
 def test_explainer_runs_as_python_m_minigpt_sharding():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env("JAX_PLATFORMS")
     result = subprocess.run(
         [sys.executable, "-m", "minigpt.sharding", "--model", "minigpt-tiny", "--preset", "dp_tp",
          "--devices", "8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

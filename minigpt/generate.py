@@ -25,7 +25,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from minigpt import CallableModule, chat_template, sharding
 from minigpt.models import DecoderLM
@@ -206,6 +205,11 @@ def chat(model: DecoderLM, tokenizer, messages: Sequence[dict[str, str]], *,
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
+# One jitted forward for every call of generate_recompute, keyed on the preset's context: calls
+# with the same model shape under the same settings reuse its compilation.
+_full_forward = sharding.jit(lambda model, x: model(x))
+
+
 def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_tokens: int,
                        eot_id: int | None = None) -> tuple[list[int], list[np.ndarray]]:
     """Greedy decoding the slow way, re-running the whole window for every token.
@@ -213,7 +217,6 @@ def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_token
     The reference the cached decoder is tested against, windows included (the length rule in
     the module docstring); returns the new tokens and the logits that chose each of them.
     """
-    forward = nnx.jit(lambda m, x: m(x))
     context = model.config.context_len
     tokens, chosen, start = list(prompt), [], 0
     for _ in range(max_new_tokens):
@@ -224,7 +227,7 @@ def generate_recompute(model: DecoderLM, prompt: Sequence[int], *, max_new_token
         # serves every step.
         x = np.zeros((1, context), np.int32)
         x[0, :len(window)] = window
-        logits = np.asarray(forward(model, jnp.asarray(x))[0, len(window) - 1])
+        logits = np.asarray(_full_forward(model, jnp.asarray(x))[0, len(window) - 1])
         token = int(np.argmax(logits))
         chosen.append(logits)
         if token == eot_id:

@@ -320,7 +320,7 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
                            what=f"the model {directory.config_file} describes ({cfg.arch}, "
                                 f"{cfg.num_layers} layers of width {cfg.embed_dim})",
                            hint="is the file the run was trained with?")
-        model = sharding.create_sharded(build, layout, mesh)
+        model = sharding.abstract_sharded(build, layout, mesh)  # the checkpoint fills it
         restored = checkpointer.restore(model)
     finally:
         checkpointer.close()

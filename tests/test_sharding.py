@@ -142,6 +142,23 @@ def test_fsdp_splits_every_parameter_eight_ways():
         assert len({d for s in var.addressable_shards for d in [s.device]}) == 8
 
 
+def test_a_run_loads_into_shapes_that_carry_their_shardings():
+    """`load_run` restores a checkpoint into `abstract_sharded`'s shapes: nothing is initialised
+    or compiled first, and each array is read into the shards `create_sharded` would give it
+    (that the loaded model computes what was saved: tests/test_generate.py, test_runs.py)."""
+    preset = sharding.load_preset("fsdp_tp")
+    mesh = sharding.make_mesh(preset)
+    model = sharding.abstract_sharded(build_tiny, preset, mesh)
+    asked = asked_shardings(preset, mesh)
+    placed = {jax.tree_util.keystr(path): var.get_value() for path, var in
+              jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
+                                                  is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    assert placed.keys() == asked.keys()
+    for key, value in placed.items():
+        assert isinstance(value, jax.ShapeDtypeStruct), key
+        assert value.sharding == asked[key][1], key
+
+
 def test_optimizer_state_is_born_with_its_parameter_sharding():
     from minigpt.config import TrainConfig
     from minigpt.train.optimizer import make_optimizer

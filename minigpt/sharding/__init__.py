@@ -56,6 +56,7 @@ from minigpt.sharding.presets import (
 )
 from minigpt.sharding.settings import ContextParallel, Experts, Pipeline, default_microbatches
 from minigpt.sharding.state import (
+    abstract_sharded,
     check_divisible,
     create_sharded,
     degenerate_note,
@@ -65,8 +66,8 @@ from minigpt.sharding.state import (
 )
 
 __all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "ContextParallel", "Experts", "MeshAxes",
-           "Pipeline", "Preset", "PresetError", "Rules", "active", "active_ways",
-           "available_presets", "batch_divisor", "batch_share", "batch_sharding",
+           "Pipeline", "Preset", "PresetError", "Rules", "abstract_sharded", "active",
+           "active_ways", "available_presets", "batch_divisor", "batch_share", "batch_sharding",
            "check_divisible", "check_layout", "constrain", "create_sharded",
            "default_microbatches", "degenerate_note", "describe", "jit", "lay_out",
            "load_preset", "logical_to_spec", "make_mesh", "mesh_axes_in", "pipeline_axis",

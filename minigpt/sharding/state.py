@@ -86,6 +86,19 @@ def create_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
     return nnx.merge(graphdef, state)
 
 
+def abstract_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
+    """The NNX objects `build` returns, shapes only: each array a `jax.ShapeDtypeStruct` with
+    the sharding `create_sharded` would give it. A checkpoint is restored into these, so loading
+    a run neither compiles nor runs an initialiser whose values would be overwritten."""
+    abstract = nnx.eval_shape(build)
+    graphdef, abstract_state = nnx.split(abstract)
+    check_divisible(preset, mesh, abstract_state)
+    shardings = state_shardings(preset, mesh, abstract_state)
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract_state, shardings)
+    return nnx.merge(graphdef, placed)
+
+
 def describe(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
     """One row per array of an abstract NNX state: its name, shape, axes, spec, bytes/device."""
     rows = []

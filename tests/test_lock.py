@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, losses
+from conftest import REPO, losses, small_vocab
 
 from minigpt import train
 from minigpt.config import TrainConfig
-from minigpt.models import get_config
 from minigpt.train.lock import LOCK_NAME, RunLock, RunLocked
+
+MODEL = small_vocab("minigpt-tiny")
 
 
 def a_finished_pid() -> int:
@@ -101,16 +102,18 @@ def test_an_unreadable_lock_is_left_while_young_and_taken_over_when_old(tmp_path
 
 
 @pytest.fixture
-def command(data_dir, tmp_path):
-    """A run of 40 steps of the tiny model that saves every 4, and its command line."""
-    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_dir),),
+def command(data_4k, tmp_path):
+    """A run of 40 steps of the tiny model (TinyStories vocabulary) that saves every 4, and its
+    command line."""
+    cfg = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(data_4k),),
                       out=str(tmp_path / "run"), steps=40, decay_steps=40, batch_size=8,
                       seq_len=32, lr=3e-3, warmup_steps=2, eval_every=100, eval_batches=1,
                       save_every=4, log_every=1)
-    argv = ["--preset", "dp", "--model", "minigpt-tiny", "--data", str(data_dir), "--steps", "40",
+    argv = ["--preset", "dp", "--model", "minigpt-tiny", "--data", str(data_4k), "--steps", "40",
             "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--save-every", "4",
             "--set", "decay_steps=40", "--set", "warmup_steps=2", "--set", "eval_every=100",
-            "--set", "eval_batches=1", "--no-sample", "--out", cfg.out]
+            "--set", "eval_batches=1", "--set", "model.tokenizer=tinystories-4k",
+            "--set", "model.vocab_size=4096", "--no-sample", "--out", cfg.out]
     return cfg, argv
 
 
@@ -130,7 +133,6 @@ def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 3
 
 
 @pytest.mark.slow  # two real trainers, one in another process: about a minute
-@pytest.mark.usefixtures("gpt2")
 def test_a_second_trainer_is_refused_and_the_first_finishes_as_if_alone(command, straight,
                                                                          tmp_path, capsys):
     cfg, argv = command
@@ -148,11 +150,10 @@ def test_a_second_trainer_is_refused_and_the_first_finishes_as_if_alone(command,
         first.kill()
     assert set(before) - {LOCK_NAME} <= {p.name for p in run.iterdir()}  # nothing removed
     assert not (run / LOCK_NAME).exists()
-    assert losses(run) == straight(get_config("minigpt-tiny"), cfg)
+    assert losses(run) == straight(MODEL, cfg)
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("gpt2")
 def test_resume_takes_over_from_a_killed_trainer(command, straight, tmp_path, capsys):
     cfg, argv = command
     first = start_trainer(argv, tmp_path / "first.log")
@@ -166,5 +167,5 @@ def test_resume_takes_over_from_a_killed_trainer(command, straight, tmp_path, ca
     assert train.main([*argv, "--resume"]) == 0
     out = capsys.readouterr().out
     assert f"took over {run / LOCK_NAME}: its holder, process {first.pid} on " in out
-    assert losses(run) == straight(get_config("minigpt-tiny"), cfg)
+    assert losses(run) == straight(MODEL, cfg)
     assert not (run / LOCK_NAME).exists()

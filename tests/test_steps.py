@@ -149,11 +149,22 @@ def test_rematerialisation_changes_memory_not_numbers():
     results = []
     for remat in (False, True):
         model, optimizer = build(dataclasses.replace(TINY, remat=remat))
+        before = params_of(model)
         metrics = steps.train_step(model, optimizer, batch, jax.random.key(0), RATES)
         results.append((float(metrics["loss"]), params_of(model)))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
-    for key, value in results[0][1].items():
-        np.testing.assert_allclose(results[1][1][key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+    # As between presets (above): full Adam steps agree to float32 precision; a weight whose
+    # gradient is float noise (the key bias, whose true gradient is 0) to a tenth of a step.
+    step = float(metrics["lr"])
+    (_, plain), (_, remat) = results
+    dense = [k for k in before if "tokens" not in k]  # unseen token rows get no gradient
+    moved = sum(int(np.sum(np.abs(plain[k] - before[k]) > 0.9 * step)) for k in dense)
+    assert moved > 0.9 * sum(before[k].size for k in dense)
+    for key, value in plain.items():
+        full_step = np.abs(value - before[key]) > 0.99 * step
+        np.testing.assert_allclose(remat[key][full_step], value[full_step], rtol=1e-5,
+                                   atol=1e-3 * step, err_msg=key)
+        np.testing.assert_allclose(remat[key], value, rtol=0, atol=0.1 * step, err_msg=key)
 
 
 @pytest.mark.slow

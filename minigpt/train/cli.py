@@ -222,8 +222,9 @@ def _set_devices(args: argparse.Namespace) -> None:
         runtime.set_simulated_devices(used["count"])
     except RuntimeError:
         return
+    # stdout, as the trainer's other lines: a refusal after it stays the one line on stderr
     print(f"resuming {out} on {used['count']} simulated CPU devices, as it was trained "
-          f"(--devices N for another count)", file=sys.stderr, flush=True)
+          f"(--devices N for another count)", flush=True)
 
 
 def run(argv: Sequence[str] | None, train: Callable[..., dict[str, Any]]) -> int:

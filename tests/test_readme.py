@@ -52,6 +52,7 @@ def sized(text: str, used: set[str]) -> str:
 
 
 @pytest.mark.slow  # seven fresh processes, each compiling its model: a few minutes
+@pytest.mark.usefixtures("optimised")  # the commands as users run them
 def test_the_quickstart_runs_as_written(tmp_path, server, monkeypatch, stories_file):
     # TinyStories at the pinned revision, from a local server, prepared for both tokenizers
     # the quickstart's models use, where `data/` puts it.

@@ -81,6 +81,7 @@ def test_a_model_trains_and_tells_stories_with_the_tinystories_tokenizer(small_s
 
 
 @pytest.mark.slow  # 40 steps of 64 x 128 tokens: the training defaults, on a 4k-token head
+@pytest.mark.usefixtures("optimised")
 def test_a_40_step_run_with_default_settings_lowers_the_loss_by_more_than_a_nat(data_4k,
                                                                                tmp_path):
     cfg = TrainConfig(model="minigpt-tiny", data=(str(data_4k),), out=str(tmp_path / "run"),

@@ -542,7 +542,10 @@ def test_a_disk_that_fills_during_a_save_is_one_line_and_the_run_resumes(trained
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-        assert "No space left on device" in lines[0] and "continue with --resume" in lines[0]
+        # Whichever write meets the full disk first (the checkpoint, metrics.jsonl) is named,
+        # on a line of its own (not after the progress bar), with the way on: --resume.
+        assert "No space left on device" in lines[0] and "--resume" in lines[0]
+        assert err.splitlines()[-1] == lines[0]
         assert {k: v for k, v in snapshot(run / "checkpoints").items() if k in before} == before
         subprocess.run(["mount", "-o", "remount,size=256m", str(scratch)], check=True)
         _resumes(run)

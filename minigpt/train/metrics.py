@@ -303,11 +303,19 @@ class Recorder:
             self.progress.refresh()
 
     def close(self) -> None:
-        self.log.close()
-        if self.board is not None:
-            self.board.close()
+        self.close_progress()
+        try:
+            self.log.close()
+        finally:
+            if self.board is not None:
+                self.board.close()
+
+    def close_progress(self) -> None:
+        """End the progress bar's line, so that what is printed next (an error from a write
+        that failed, say) starts a line of its own."""
         if self.progress is not None:
             self.progress.close()
+            self.progress = None
 
 
 def _progress_interval() -> float:

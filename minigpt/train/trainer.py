@@ -274,9 +274,12 @@ def run_loop(run: Run) -> bool:
             if interrupted:
                 _save(run)
     finally:
-        profiler.close()
-        run.checkpointer.wait()
-        recorder.close()
+        recorder.close_progress()  # first: any error below is printed on a line of its own
+        try:
+            profiler.close()
+            run.checkpointer.wait()
+        finally:
+            recorder.close()
     return interrupted
 
 

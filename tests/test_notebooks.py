@@ -97,14 +97,14 @@ def test_the_saved_outputs_come_from_one_run_of_every_cell(name):
 # of their saved outputs above run in the default suite.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom(name, tmp_path, stories_file, monkeypatch):
+def test_notebook_runs_top_to_bottom(name, tmp_path, stories_file, monkeypatch, request):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("MINIGPT_SMALL", "1")
     monkeypatch.setenv("MINIGPT_RUNS", str(tmp_path / "runs"))
     monkeypatch.setenv("MINIGPT_NOTEBOOK_TEXT", str(stories_file))
     if name == "03_generation.ipynb":  # generates many tokens: XLA's optimisations pay there
-        monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+        request.getfixturevalue("optimised")
     if name == "04_pretrained_weights.ipynb":
         # A tiny random instruct-style checkpoint instead of the Hub's SmolLM2-135M-Instruct:
         # SmolLM2's tokenizer layout and chat template, written by transformers.

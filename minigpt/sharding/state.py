@@ -70,6 +70,14 @@ def state_shardings(preset: Preset, mesh, abstract_state):
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def _laid_out(build: Callable[[], Any], preset: Preset, mesh):
+    """`build`'s objects traced for shapes alone: (graphdef, abstract state, each array's
+    NamedSharding), after checking that the preset applies to them on this mesh."""
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+    check_divisible(preset, mesh, abstract_state)
+    return graphdef, abstract_state, state_shardings(preset, mesh, abstract_state)
+
+
 def create_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
     """Create the NNX objects `build` returns with every array born on its own devices.
 
@@ -77,10 +85,7 @@ def create_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
     that the preset applies, then compiled with those output shardings, so no full copy of any
     parameter ever sits on one device.
     """
-    abstract = nnx.eval_shape(build)
-    graphdef, abstract_state = nnx.split(abstract)
-    check_divisible(preset, mesh, abstract_state)
-    shardings = state_shardings(preset, mesh, abstract_state)
+    graphdef, abstract_state, shardings = _laid_out(build, preset, mesh)
     with use_preset(preset, mesh):
         state = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()
     return nnx.merge(graphdef, state)
@@ -90,10 +95,7 @@ def abstract_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
     """The NNX objects `build` returns, shapes only: each array a `jax.ShapeDtypeStruct` with
     the sharding `create_sharded` would give it. A checkpoint is restored into these, so loading
     a run neither compiles nor runs an initialiser whose values would be overwritten."""
-    abstract = nnx.eval_shape(build)
-    graphdef, abstract_state = nnx.split(abstract)
-    check_divisible(preset, mesh, abstract_state)
-    shardings = state_shardings(preset, mesh, abstract_state)
+    graphdef, abstract_state, shardings = _laid_out(build, preset, mesh)
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_state, shardings)
     return nnx.merge(graphdef, placed)

@@ -14,6 +14,8 @@ recorded and the rest still run:
 - mfu: train-step MFU in bfloat16 and float32 for gpt2-small at batch 16 x 1024 and llama-15m
   and minigpt at their shapes, with the fused attention and with XLA's, against the chip's
   data-sheet peak and a matmul measured in the same process; tokens/s beside modded-nanogpt's;
+- parity: 20 train steps of llama-15m on the accelerator (float32, and `auto`'s dtype and
+  kernels) beside the same steps on the machine's CPU: the losses, and the largest relative gap;
 - stories: `--recipe stories-gpu` for 2 minutes: held-out loss and bits per byte, tokens/s;
 - generation: KV-cache tokens/s at batch 1 and 16, and a story from the stories run's model;
 - notebooks: each notebook's first code cell as Colab runs it (`accelerator_steps.notebooks`).
@@ -48,12 +50,12 @@ from bench import report as bench_report  # noqa: E402
 
 # Seconds each step may take on an accelerator, and in the dry run (hard limits: a step past
 # its budget is stopped and recorded as such).
-BUDGETS = {"environment": 20, "tests": 80, "mfu": 130, "stories": 140, "generation": 25,
-           "notebooks": 40}
+BUDGETS = {"environment": 20, "tests": 80, "mfu": 130, "parity": 45, "stories": 140,
+           "generation": 25, "notebooks": 40}
 # The dry run's budgets are loose: it checks that each step works, on a CI runner whose two cores
 # run another test beside it (its generation step once took 27 s there).
-DRY_BUDGETS = {"environment": 60, "tests": 120, "mfu": 150, "stories": 150, "generation": 120,
-               "notebooks": 60}
+DRY_BUDGETS = {"environment": 60, "tests": 120, "mfu": 150, "parity": 120, "stories": 150,
+               "generation": 120, "notebooks": 60}
 # The quick tests that cannot run on one accelerator: they simulate 8 CPU devices (presets that
 # split over several) or start several processes. Every other test file runs.
 DEVICE_BOUND = {
@@ -95,12 +97,17 @@ def requirements() -> list[str]:
 
 
 def install_missing(wheels: str) -> dict:
-    """Install, from the wheels folder alone, each requirement not installed here."""
+    """Install, from the wheels folder alone, each requirement not installed here or installed
+    in a version it does not accept."""
+    from packaging.requirements import Requirement
+
     missing = []
     for spec in requirements():
-        name = re.match(r"[A-Za-z0-9_.\-]+", spec).group(0)
+        wanted = Requirement(spec)
         try:
-            importlib.metadata.version(name)
+            if not wanted.specifier.contains(importlib.metadata.version(wanted.name),
+                                             prereleases=True):
+                missing.append(spec)
         except importlib.metadata.PackageNotFoundError:
             missing.append(spec)
     found = {"folder": wheels, "missing": missing, "installed": [], "failed": {}}
@@ -235,6 +242,12 @@ def summary_lines(report: dict) -> list[str]:
                     'mfu_data_sheet'] is not None else "")
                 + f"{run['mfu_matmul']:.3f} of a measured matmul"
                 + (", fell back to XLA" if run["fallbacks"] else ""))))
+        if name == "parity" and result:
+            lines.append(f"  {result['model']} {result['batch']}x{result['seq']}, "
+                         f"{result['steps']} steps against the CPU's float32: " + ", ".join(
+                             f"{label} within {gap:.1e}" + ("" if result["within_tolerance"][
+                                 label] else f" (over {result['tolerance']:.0e})")
+                             for label, gap in result["max_relative_difference"].items()))
         if name == "stories" and result:
             speed = result["tokens_per_s"]
             lines.append(f"  {result['steps']} steps, "

@@ -18,11 +18,16 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 # modded-nanogpt's speedrun record, as its authors report it: GPT-2 small (124M) trained at about
 # 675k tokens/s per H100, with FP8 matmuls, Muon, and every other trick in the book. A reference
 # point for our tokens/s, not a like-for-like comparison.
 MODDED_NANOGPT_TOKENS_PER_S = 675_000
+# How far the accelerator's losses may stray from the CPU's over the parity steps, relative:
+# about bfloat16's precision (2**-7), which float32 with TF32 matmuls also meets.
+PARITY_TOLERANCE = 1e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Sizes:
     matmul_size: int
     stories_args: tuple[str, ...]
     generate_new: int
+    parity_run: tuple[str, int, int, dict]  # (model, batch, sequence, changes)
+    parity_steps: int = 20
     generate_batches: tuple[int, ...] = (1, 16)
 
 
@@ -43,14 +50,16 @@ TINY = dict(num_layers=1, embed_dim=64, num_heads=4, num_kv_heads=2, mlp_dim=128
 DEVICE = Sizes(
     mfu_runs=(("gpt2-small", 16, 1024, {}), ("llama-15m", 32, 256, {}), ("minigpt", 32, 256, {})),
     mfu_pairs=None, timed_steps=10, matmul_size=8192,
-    stories_args=("--time-budget", "2m", "--no-sample"), generate_new=256)
+    stories_args=("--time-budget", "2m", "--no-sample"), generate_new=256,
+    parity_run=("llama-15m", 4, 128, {}))
 DRY = Sizes(
     mfu_runs=(("llama-cpu", 2, 64, TINY),), timed_steps=2, matmul_size=256,
     mfu_pairs=(("bfloat16", "fused"), ("float32", "reference")),  # each dtype, each attention
     stories_args=("--time-budget", "12s", "--no-sample", "--batch-size", "4", "--seq-len", "64",
                   *[f"--set=model.{k}={v}" for k, v in TINY.items()],
                   "--set=train.eval_batches=1", "--set=train.eval_every=1000"),
-    generate_new=8, generate_batches=(1, 4))
+    generate_new=8, generate_batches=(1, 4), parity_run=("llama-cpu", 2, 32, TINY),
+    parity_steps=3)
 
 
 def environment(settings: dict) -> dict:
@@ -141,37 +150,13 @@ def mfu(settings: dict) -> dict:
 def _time_train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, impl: str,
                      repeats: int) -> dict:
     """One compiled train step of a zoo model on one device, timed after a warm-up call."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
     from bench.report import timed
-    from minigpt import sharding
-    from minigpt.config import TrainConfig
-    from minigpt.models import build_model, get_config
-    from minigpt.train import lr_schedule, steps
     from minigpt.train.flops import flops_per_token
-    from minigpt.train.optimizer import make_optimizer
 
-    cfg = dataclasses.replace(get_config(model), context_len=max(seq, 1), dtype=dtype,
-                              kernels=impl, **changes)
-    train_cfg = TrainConfig(batch_size=batch, preset="dp")
-    preset = sharding.load_preset("dp")
-    mesh = sharding.make_mesh(preset)
-
-    def build():
-        built = build_model(cfg, rngs=nnx.Rngs(0))
-        return built, nnx.Optimizer(built, make_optimizer(train_cfg), wrt=nnx.Param)
-
+    cfg, step = _train_step(model, batch, seq, changes, dtype, impl)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
-    model_state, optimizer = sharding.create_sharded(build, preset, mesh)
-    rates, rng = lr_schedule.lr_schedule(train_cfg), jax.random.key(0)
-    with sharding.use_preset(preset, mesh):
-        data = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
-                                  sharding.batch_sharding(preset, mesh))
-        began = time.perf_counter()
-        times, reported = timed(lambda: steps.train_step(model_state, optimizer, data, rng,
-                                                         rates), repeats)
+    began = time.perf_counter()
+    times, reported = timed(lambda: step(tokens), repeats)
     # The warm-up call compiled the step and ran it once: what it took beyond a step.
     compile_s = time.perf_counter() - began - sum(times) - statistics.median(times)
     step_s = statistics.median(times)
@@ -179,6 +164,84 @@ def _time_train_step(model: str, batch: int, seq: int, changes: dict, dtype: str
             "compile_s": compile_s, "step_s": step_s, "tokens_per_s": batch * seq / step_s,
             "flops_per_step": flops_per_token(cfg, seq) * batch * seq,
             "loss": float(reported["loss"])}
+
+
+def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, impl: str):
+    """A zoo model and its optimizer on one device (preset dp), born from seed 0; returns its
+    config and `step(tokens)`, which runs one train step on a [batch, seq + 1] array of token
+    ids and returns what the step reports."""
+    import jax
+    from flax import nnx
+
+    from minigpt import sharding
+    from minigpt.config import TrainConfig
+    from minigpt.models import build_model, get_config
+    from minigpt.train import lr_schedule, steps
+    from minigpt.train.optimizer import make_optimizer
+
+    cfg = dataclasses.replace(get_config(model), context_len=max(seq, 1), dtype=dtype,
+                              kernels=impl, **changes)
+    # A short schedule, so that the parity steps' losses move (the rate is the peak by step 2)
+    train_cfg = TrainConfig(batch_size=batch, preset="dp", steps=20, warmup_steps=2)
+    preset = sharding.load_preset("dp")
+    mesh = sharding.make_mesh(preset)
+
+    def build():
+        built = build_model(cfg, rngs=nnx.Rngs(0))
+        return built, nnx.Optimizer(built, make_optimizer(train_cfg), wrt=nnx.Param)
+
+    model_state, optimizer = sharding.create_sharded(build, preset, mesh)
+    rates, rng = lr_schedule.lr_schedule(train_cfg), jax.random.key(0)
+    layout = sharding.batch_sharding(preset, mesh)
+
+    def step(tokens):
+        with sharding.use_preset(preset, mesh):
+            data = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+                                      layout)
+            return steps.train_step(model_state, optimizer, data, rng, rates)
+
+    return cfg, step
+
+
+def parity(settings: dict) -> dict:
+    """The same train steps (same initial weights, same batches) on the accelerator, in
+    float32 and in `auto`'s dtype with its kernels, and on this machine's CPU in float32 with
+    the reference kernels: the losses step by step and their largest relative difference from
+    the CPU's. On a CPU (the dry run) both sides are the CPU: the path is what is checked."""
+    import jax
+
+    sizes = DRY if settings["dry_run"] else DEVICE
+    model, batch, seq, changes = sizes.parity_run
+    found = {"model": model, "batch": batch, "seq": seq, "steps": sizes.parity_steps,
+             "tolerance": PARITY_TOLERANCE, "backend": jax.default_backend(), "losses": {}}
+    for label, dtype, impl in (("float32", "float32", "reference"), ("auto", "auto", "auto")):
+        found["losses"][label] = _losses(model, batch, seq, changes, dtype, impl,
+                                         sizes.parity_steps)
+    call = (f"import json; from bench.accelerator_steps import _losses; "
+            f"print(json.dumps(_losses({model!r}, {batch}, {seq}, {changes!r}, 'float32', "
+            f"'reference', {sizes.parity_steps})))")
+    done = subprocess.run([sys.executable, "-c", call], cwd=REPO, capture_output=True, text=True,
+                          check=True, env={**settings["env"], "JAX_PLATFORMS": "cpu"})
+    cpu = found["losses"]["cpu float32"] = json.loads(done.stdout.strip().splitlines()[-1])
+    found["max_relative_difference"] = {
+        label: max(abs(a - b) / abs(b) for a, b in zip(losses, cpu, strict=True))
+        for label, losses in found["losses"].items() if label != "cpu float32"}
+    found["within_tolerance"] = {label: gap <= PARITY_TOLERANCE
+                                 for label, gap in found["max_relative_difference"].items()}
+    return found
+
+
+def _losses(model: str, batch: int, seq: int, changes: dict, dtype: str, impl: str,
+            count: int) -> list[float]:
+    """The loss of each of `count` train steps on batches drawn from seed 0."""
+    import minigpt.models.kernels as kernels
+
+    if dtype == "auto":
+        dtype = kernels.compute_dtype("auto")
+    cfg, step = _train_step(model, batch, seq, changes, dtype, impl)
+    draw = np.random.default_rng(0)
+    return [float(step(draw.integers(0, cfg.vocab_size, (batch, seq + 1), np.int32))["loss"])
+            for _ in range(count)]
 
 
 def stories(settings: dict) -> dict:
@@ -325,8 +388,8 @@ def _fresh_python(path: Path) -> Path:
     return python
 
 
-STEPS = {"environment": environment, "mfu": mfu, "stories": stories, "generation": generation,
-         "notebooks": notebooks}
+STEPS = {"environment": environment, "mfu": mfu, "parity": parity, "stories": stories,
+         "generation": generation, "notebooks": notebooks}
 
 
 def run_step(name: str, settings: dict) -> None:

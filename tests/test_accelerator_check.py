@@ -44,8 +44,8 @@ def test_the_dry_run_reports_every_step_ok(tmp_path, small_stories):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())
     assert report["dry_run"] and report["ok"] and report["wheels"] is None
-    assert list(report["steps"]) == ["environment", "tests", "mfu", "stories", "generation",
-                                     "notebooks"]
+    assert list(report["steps"]) == ["environment", "tests", "mfu", "parity", "stories",
+                                     "generation", "notebooks"]
     assert [name for name, step in report["steps"].items() if not step["ok"]] == []
     steps = {name: step.get("result") for name, step in report["steps"].items()}
     assert steps["environment"]["backend"] == "cpu"
@@ -57,6 +57,11 @@ def test_the_dry_run_reports_every_step_ok(tmp_path, small_stories):
         assert run["tokens_per_s"] > 0 and run["mfu_matmul"] > 0
         assert run["mfu_data_sheet"] is None  # a CPU has no data sheet
         assert bool(run["fallbacks"]) == (run["kernels"] == "cudnn")  # no cuDNN on a CPU
+    parity = steps["parity"]  # on a CPU both sides are the CPU: float32 gives the same losses
+    assert set(parity["losses"]) == {"float32", "auto", "cpu float32"}
+    assert parity["losses"]["float32"] == parity["losses"]["cpu float32"]
+    assert len(parity["losses"]["auto"]) == parity["steps"] == 3
+    assert parity["within_tolerance"] == {"float32": True, "auto": True}
     stories = steps["stories"]
     assert stories["eval_loss"] > 0 and stories["eval_bits_per_byte"] > 0
     assert "computing in float32" in stories["first_lines"][0]

@@ -153,7 +153,7 @@ def _time_train_step(model: str, batch: int, seq: int, changes: dict, dtype: str
     from bench.report import timed
     from minigpt.train.flops import flops_per_token
 
-    cfg, step = _train_step(model, batch, seq, changes, dtype, impl)
+    cfg, step, _ = _train_step(model, batch, seq, changes, dtype, impl)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
     began = time.perf_counter()
     times, reported = timed(lambda: step(tokens), repeats)
@@ -168,8 +168,8 @@ def _time_train_step(model: str, batch: int, seq: int, changes: dict, dtype: str
 
 def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, impl: str):
     """A zoo model and its optimizer on one device (preset dp), born from seed 0; returns its
-    config and `step(tokens)`, which runs one train step on a [batch, seq + 1] array of token
-    ids and returns what the step reports."""
+    config, `step(tokens)`, which runs one train step on a [batch, seq + 1] array of token
+    ids and returns what the step reports, and the model it trains."""
     import jax
     from flax import nnx
 
@@ -200,7 +200,7 @@ def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, imp
                                       layout)
             return steps.train_step(model_state, optimizer, data, rng, rates)
 
-    return cfg, step
+    return cfg, step, model_state
 
 
 def parity(settings: dict) -> dict:
@@ -238,7 +238,7 @@ def _losses(model: str, batch: int, seq: int, changes: dict, dtype: str, impl: s
 
     if dtype == "auto":
         dtype = kernels.compute_dtype("auto")
-    cfg, step = _train_step(model, batch, seq, changes, dtype, impl)
+    cfg, step, _ = _train_step(model, batch, seq, changes, dtype, impl)
     draw = np.random.default_rng(0)
     return [float(step(draw.integers(0, cfg.vocab_size, (batch, seq + 1), np.int32))["loss"])
             for _ in range(count)]

@@ -53,6 +53,11 @@ if os.environ.get("MINIGPT_TEST_DEVICES") != "native":
         flags = (os.environ["XLA_FLAGS"] + " " + FAST_COMPILE_FLAG).strip()
         if FAST_COMPILE_FLAG.split("=")[0] not in os.environ["XLA_FLAGS"] and _xla_accepts(flags):
             os.environ["XLA_FLAGS"] = flags
+else:
+    # An accelerator's float32 matmuls default to TF32 (a 10-bit mantissa): on an H200 that
+    # put imports 1e-3 from transformers' logits (2026-11-27). The tests compare float32 results
+    # to 1e-4 and finer, so they ask for full float32 there, as a CPU computes it.
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ["MINIGPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="minigpt-test-cache-")
 
 
@@ -228,6 +233,18 @@ def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, n
     """Random token ids as a training batch: inputs and targets [batch, seq], int32."""
     tokens = np.random.default_rng(seed).integers(0, vocab, (batch, seq + 1)).astype(np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@pytest.fixture
+def float32_compute(monkeypatch):
+    """`model.dtype=auto` computes in float32 on every backend, as on a CPU: for the tests that
+    compare logits with transformers' float32 ones to 1e-4, which an accelerator's bfloat16
+    (auto's choice there) cannot meet. Layers read the dtype when they are built."""
+    from minigpt.models import kernels
+
+    as_on_a_cpu = kernels.compute_dtype
+    monkeypatch.setattr(kernels, "compute_dtype",
+                        lambda choice, platform=None: as_on_a_cpu(choice, platform or "cpu"))
 
 
 @pytest.fixture

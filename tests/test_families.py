@@ -37,6 +37,9 @@ from minigpt import generate, hub, sharding  # noqa: E402
 from minigpt.generate import chat, generate_tokens  # noqa: E402
 from minigpt.runs import load_run  # noqa: E402
 
+# Logits are compared with transformers' float32 ones: float32 on an accelerator too.
+pytestmark = pytest.mark.usefixtures("float32_compute")
+
 # The quick suite runs one family of each tokenizer layout (Llama 3's tiktoken-made file, Qwen's
 # NFC byte-level BPE, Llama 2's SentencePiece style) under fsdp; -m slow runs every other family
 # under fsdp, and one (tied embeddings, the rotary settings spelled as older files spell them)

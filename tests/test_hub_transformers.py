@@ -26,6 +26,9 @@ from minigpt.hub import tokenizer_export  # noqa: E402
 from minigpt.runs import load_run  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
+# Logits are compared with transformers' float32 ones: float32 on an accelerator too.
+pytestmark = pytest.mark.usefixtures("float32_compute")
+
 IDS = np.random.default_rng(0).integers(0, 4096, size=(2, 20))
 
 

@@ -25,8 +25,8 @@ def loss_and_grads(cfg, batch):
 
 
 def test_auto_means_cpu_kernels_on_a_cpu_and_names_are_checked():
-    assert jax.default_backend() == "cpu"
-    assert kernels.resolve("auto") == "cpu" and kernels.get("auto") is kernels.get("cpu")
+    assert kernels.resolve("auto", "cpu") == "cpu"
+    assert kernels.get("auto") is kernels.get(kernels.resolve("auto"))
     assert type(kernels.get("reference")) is kernels.ReferenceKernels
     with pytest.raises(ConfigError, match="model.kernels must be one of"):
         dataclasses.replace(get_config("minigpt-tiny"), kernels="gpu")
@@ -48,7 +48,10 @@ def test_cpu_kernels_give_the_reference_loss_and_every_gradient(name, batch, seq
     data = {k: jnp.asarray(v) for k, v in random_batch(cfg.vocab_size, batch, seq, 5).items()}
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, kernels="reference"), data)
     cpu_loss, cpu_grads = loss_and_grads(dataclasses.replace(cfg, kernels="cpu"), data)
-    assert cpu_loss == pytest.approx(ref_loss, rel=1e-6)
+    # float32's sums in another order; an accelerator's reductions (and its TF32 matmuls, which
+    # both sides use) order them differently again: 1.4e-6 apart on an H200 (2026-11-27)
+    assert cpu_loss == pytest.approx(ref_loss, rel=1e-6 if jax.default_backend() == "cpu"
+                                     else 1e-5)
     assert ref_grads.keys() == cpu_grads.keys() and len(ref_grads) > 10
     # The key bias's true gradient is zero (it shifts every score of a query alike), so what
     # both compute there is float noise: the absolute tolerance is taken from the largest

@@ -24,6 +24,9 @@ from minigpt.hub.tokenizer_export import tokenizer_json_from_encoding  # noqa: E
 from minigpt.runs import load_run  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
+# Logits are compared with transformers' float32 ones: float32 on an accelerator too.
+pytestmark = pytest.mark.usefixtures("float32_compute")
+
 IDS = np.random.default_rng(0).integers(0, 4096, size=(2, 20))
 SHAPE = dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,

@@ -48,6 +48,11 @@ class RenderError(RuntimeError):
     message is one line saying which."""
 
 
+class TooLong(RenderError):
+    """Messages longer, on their own, than the rendered chat may be: the chat is at fault, not
+    its template."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Rendered:
     """A rendered chat: its text and the [start, end) character spans its `{% generation %}`
@@ -65,6 +70,11 @@ def render(template: str, messages: list[dict[str, Any]], *, add_generation_prom
     `max_chars`; raises RenderError (one line) for a template that fails or exceeds one."""
     if not messages:
         raise RenderError("cannot render an empty conversation: give at least one message")
+    chars = sum(len(m["content"]) for m in messages
+                if isinstance(m, dict) and isinstance(m.get("content"), str))
+    if chars > max_chars:
+        raise TooLong(f"the chat's messages hold {chars:,} characters, more than a context of "
+                      f"{max_chars // CHARS_PER_TOKEN:,} tokens can hold: shorten them")
     seconds = SECONDS if seconds is None else seconds
     request = {"template": template, "messages": messages, "max_chars": int(max_chars),
                "add_generation_prompt": bool(add_generation_prompt), "seconds": seconds,

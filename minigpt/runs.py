@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import typing
 import warnings
 from dataclasses import dataclass
@@ -219,6 +220,16 @@ def _built(cls, values: dict[str, Any]):
                   for name, value in values.items()})
 
 
+def _cannot_write(folder: Path) -> str | None:
+    """Why a file cannot be made in `folder` (None: it can), found by making and removing one:
+    Orbax, met with such a folder mid-save, waits minutes for its own threads before failing."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".minigpt-write-check-"):
+            return None
+    except OSError as error:
+        return error.strerror or type(error).__name__
+
+
 def check_start(out: str | Path, *, resume: bool, init_from: str = "") -> None:
     """Refuse a run that cannot start, before anything is written: `out` is not a directory,
     or holds files where a run keeps folders (or the reverse); a new run into a directory that
@@ -226,15 +237,23 @@ def check_start(out: str | Path, *, resume: bool, init_from: str = "") -> None:
     run = RunDir(out)
     if run.path.exists() and not run.path.is_dir():
         raise RunError(f"--out {out} is a file, not a directory: choose another --out")
-    for path, folder in ((run.checkpoints, True), (run.tensorboard, True), (run.damaged, True),
-                         (run.config_file, False), (run.metrics, False)):
-        if path.is_symlink() and folder:  # a trainer writes, moves and deletes in it
+    # a trainer writes, moves and deletes in these folders, and deletes old checkpoints' steps
+    steps = list(run.checkpoints.iterdir()) if run.checkpoints.is_dir() else []
+    for path in (run.checkpoints, run.tensorboard, run.damaged, *steps):
+        if path.is_symlink():
             raise RunError(f"{path} is a link (to {os.readlink(path)}), but a run keeps its own "
                            f"{path.name} folder: training would write and delete files where "
                            f"it points. Replace the link with the folder itself, then train")
+    for path, folder in ((run.checkpoints, True), (run.tensorboard, True), (run.damaged, True),
+                         (run.config_file, False), (run.metrics, False)):
         if path.exists() and path.is_dir() != folder:
             raise RunError(f"{path} should be a {'folder' if folder else 'file'} of the run, "
                            f"but is not: move it out of {out}, then train again")
+    for folder, purpose in ((run.path, "a run is trained in a directory it may write"),
+                            (run.checkpoints, "the run saves its checkpoints there")):
+        if resume and folder.is_dir() and (why := _cannot_write(folder)):
+            raise RunError(f"cannot write in {folder} ({why}): {purpose}; make it writable, "
+                           f"then train again")
     if init_from and not RunDir(init_from).path.is_dir():
         raise RunError(f"--init-from {init_from} is not a run directory (one trained here, or "
                        f"made by python -m minigpt.hub import)")

@@ -212,6 +212,8 @@ class HFTokenizer:
             return chat_template.render(self.chat_template, list(messages), variables=roles,
                                         add_generation_prompt=add_generation_prompt,
                                         max_chars=max_chars)
+        except chat_template.TooLong as error:
+            raise TokenizerError(str(error)) from None
         except chat_template.RenderError as error:
             raise TokenizerError(f"the chat template of {self.folder} {error}") from None
 

@@ -403,6 +403,8 @@ def test_a_new_run_continues_an_imported_adapter(tuned, adapter, tmp_path, small
     (["--set", "train.lora_rank=4", "--set", "lora_targets=query,qkv"],
      "train.lora_targets qkv: name no layer of the minigpt model"),
     (["--set", "train.lora_rank=4", "--set", "lora_alpha=0"], "train.lora_alpha > 0"),
+    (["--set", "train.lora_rank=2", "--set", "lora_alpha=1e5"],
+     "train.lora_alpha = 100000 with rank 2 scales each adapter's output by 5e+04"),
     (["--set", "train.lora_rank=4", "--set", "lora_dropout=1"], "lora_dropout in [0, 1)"),
 ])
 def test_bad_lora_requests_are_refused_in_one_line(data_dir, tmp_path, capsys, change, message):

@@ -193,6 +193,7 @@ def adapter(directory: Path, **config) -> Path:
 @pytest.mark.parametrize("config, message", [
     ({"lora_alpha": "INF"}, "lora_alpha must be a finite number, got inf"),
     ({"lora_alpha": "16"}, "lora_alpha must be a finite number, got '16'"),
+    ({"lora_alpha": 1e308}, "scales each adapter's output by 2.5e+307, over the 10000"),
     ({"r": 0}, "needs r > 0 (got 0)"),
     ({"r": "4"}, "r must be an integer, got '4'"),
     ({"lora_dropout": 1.5}, "lora_dropout in [0, 1)"),
@@ -383,6 +384,10 @@ def test_chat_refusals_are_one_line_before_anything_compiles(base, tmp_path, cap
     chat = ["--run", str(base), "--chat"]
     refuses(capsys, [base], "generate", [*chat, ""], "--chat needs a message")
     refuses(capsys, [base], "generate", [*chat, "  \n"], "it is empty")
+    # a message too long for the context, whatever the template does with it
+    err = refuses(capsys, [base], "generate", [*chat, "once " * 1000],
+                  "the chat's messages hold 5,000 characters, more than a context of 128 tokens")
+    assert "template" not in err
     run = Path(shutil.copytree(base, tmp_path / "run"))
     monkeypatch.setattr(chat_template, "SECONDS", 0.5)
     for template, message in (
@@ -423,6 +428,8 @@ def _edit(run: Path, **sections) -> None:
      "adapters.rank must be an integer"),
     ({"adapters": {"rank": 4, "alpha": "NAN", "targets": ["query"]}},
      "adapters.alpha must be a finite number, got nan"),
+    ({"adapters": {"rank": 4, "alpha": 1e308, "targets": ["query"]}},
+     "adapters.alpha = 1e+308 with rank 4 scales each adapter's output by 2.5e+307"),
     ({"adapters": [4]}, "adapters must be an object"),
     ({"devices": {"count": "8"}}, "devices.count must be an integer"),
     ({"time_budget": {"seconds": "soon"}}, "time_budget.seconds must be a finite number"),
@@ -465,12 +472,18 @@ def _resumes(run: Path, *more: str) -> None:
     assert (run / "checkpoints" / "3").is_dir()
 
 
-def test_a_checkpoints_link_is_refused_naming_where_it_points(run, tmp_path, capsys):
+@pytest.mark.parametrize("linked", ["checkpoints", "a step"])
+def test_a_checkpoints_link_is_refused_naming_where_it_points(run, tmp_path, capsys, linked):
+    """(A linked step would be read through, then deleted where it points when old
+    checkpoints are pruned: refused before training, as the linked folder is.)"""
     outside = tmp_path / "elsewhere"
-    (run / "checkpoints").rename(outside)
-    (run / "checkpoints").symlink_to(outside)
+    folder = run / "checkpoints"
+    if linked == "a step":
+        folder = max((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    folder.rename(outside)
+    folder.symlink_to(outside)
     refuses(capsys, [run, outside], "train", ["--out", str(run), "--resume", "--steps", "3"],
-            f"checkpoints is a link (to {outside})", "Replace the link with the folder")
+            f"{folder.name} is a link (to {outside})", "Replace the link with the folder")
 
 
 def _read_only(folder: Path) -> bool:
@@ -481,15 +494,20 @@ def _read_only(folder: Path) -> bool:
     return False
 
 
-def test_a_read_only_run_is_refused_in_one_line(run, capsys):
-    """A read-only bind mount of the run (where this process may mount one)."""
-    if not _read_only(run):
+@pytest.mark.parametrize("folder, message", [
+    ("", "a run is trained in a directory it may write"),
+    # (Orbax, meeting it mid-save, waited 300 s and printed 9 tracebacks after the one line)
+    ("checkpoints", "the run saves its checkpoints there; make it writable")])
+def test_a_read_only_run_is_refused_in_one_line(run, capsys, folder, message):
+    """A read-only bind mount of the run or its checkpoints (where this process may mount
+    one)."""
+    if not _read_only(run / folder):
         pytest.skip("a read-only bind mount needs root")
     try:
         refuses(capsys, [run], "train", ["--out", str(run), "--resume", "--steps", "3"],
-                "Read-only file system", "a run is trained in a directory it may write")
+                "Read-only file system", message)
     finally:
-        subprocess.run(["umount", str(run)], check=True)
+        subprocess.run(["umount", str(run / folder)], check=True)
 
 
 def test_a_garbage_lock_is_taken_over_saying_so(tmp_path):

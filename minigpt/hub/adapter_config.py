@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from minigpt.config import ConfigError, check_value
+from minigpt.config import ConfigError, check_lora_scale, check_value
 from minigpt.files import read_json_object
 from minigpt.hub.architectures import HubError
 from minigpt.hub.safetensors import WeightsError, resolve_inside
@@ -141,6 +141,10 @@ def _typed(path: Path, config: dict[str, Any]) -> AdapterConfig:
                        f"list of module names")
     # rsLoRA scales by alpha / sqrt(r): the same as alpha * sqrt(r) / r.
     alpha = float(alpha) * (math.sqrt(r) if values["use_rslora"] else 1.0)
+    try:
+        check_lora_scale(f"{path}: lora_alpha", alpha, r)
+    except ConfigError as error:
+        raise HubError(str(error)) from None
     return AdapterConfig(path=path, rank=r, alpha=alpha, dropout=float(dropout),
                          targets=tuple(targets), base=config.get("base_model_name_or_path"),
                          revision=config.get("revision"), peft_version=config.get("peft_version"))

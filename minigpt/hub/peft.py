@@ -218,7 +218,7 @@ def _check_base(config: AdapterConfig, base: Path, say) -> str:
             and Path(config.base).resolve() == Path(k).resolve() for k in known):
         return "name"
     if Path(config.base).name in {Path(k).name for k in known}:
-        say(f"note: the adapter names its base {config.base!r} and {base} was imported from "
+        say(f"the adapter names its base {config.base!r} and {base} was imported from "
             f"{sorted(known)[0]!r}: matched by folder name and tensor shapes only")
         return "folder name and shapes"
     raise HubError(f"{config.path}: the adapter was made for {config.base!r} (its "

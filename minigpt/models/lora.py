@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt.config import LORA_TARGETS, ConfigError, check_value
+from minigpt.config import LORA_TARGETS, ConfigError, check_lora_scale, check_value
 from minigpt.models.layers import Dense, dropout, fold_keys
 from minigpt.models.moe import STACKED_EXPERTS
 from minigpt.sharding import constrain
@@ -81,6 +81,7 @@ class Adapters:
             raise ConfigError(f"adapters need a rank > 0, an alpha > 0, a dropout in [0, 1) and "
                               f"targets; got {self.rank}, {self.alpha}, {self.dropout} and "
                               f"{list(self.targets)}")
+        check_lora_scale("adapters.alpha", self.alpha, self.rank)
 
     @classmethod
     def from_record(cls, record: dict[str, Any] | None) -> Adapters | None:

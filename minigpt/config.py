@@ -43,21 +43,6 @@ def check_value(where: str, annotation: Any, value: Any) -> None:
         raise ConfigError(f"{where} must be {kind}, got {value!r}")
 
 
-# The largest LoRA scale (alpha / rank) taken. It multiplies each adapter's output: PEFT's usual
-# settings give 0.5 to 4, and a scale past this one swamps the weights it adapts long before
-# float32 overflows (a lora_alpha of 1e308 imported as all-infinite weights).
-MAX_LORA_SCALE = 1e4
-
-
-def check_lora_scale(alpha_name: str, alpha: float, rank: int) -> None:
-    """Refuse adapters whose scale alpha / rank is over MAX_LORA_SCALE (`alpha_name` names
-    where the alpha comes from, e.g. "train.lora_alpha")."""
-    if alpha / rank > MAX_LORA_SCALE:
-        raise ConfigError(f"{alpha_name} = {alpha:g} with rank {rank} scales each adapter's "
-                          f"output by {alpha / rank:.3g}, over the {MAX_LORA_SCALE:g} LoRA "
-                          f"allows here (the usual settings give 0.5 to 4): lower the alpha")
-
-
 @functools.cache
 def field_types(cls: type) -> dict[str, Any]:
     """A config class's fields and their declared types (annotations resolved)."""
@@ -398,8 +383,6 @@ class TrainConfig:
             raise ConfigError(f"train.lora_rank must be >= 0 (0: no adapters), train.lora_alpha "
                               f"> 0 and train.lora_dropout in [0, 1); got {self.lora_rank}, "
                               f"{self.lora_alpha} and {self.lora_dropout}")
-        if self.lora_rank:
-            check_lora_scale("train.lora_alpha", self.lora_alpha, self.lora_rank)
         if self.lora_rank and not self.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the projections to adapt "
                               f"(default {','.join(LORA_TARGETS)})")

@@ -19,10 +19,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from minigpt.config import ConfigError, check_lora_scale, check_value
+from minigpt.config import ConfigError, check_value
 from minigpt.files import read_json_object
 from minigpt.hub.architectures import HubError
 from minigpt.hub.safetensors import WeightsError, resolve_inside
+from minigpt.models import lora
 
 CONFIG = "adapter_config.json"
 
@@ -142,7 +143,7 @@ def _typed(path: Path, config: dict[str, Any]) -> AdapterConfig:
     # rsLoRA scales by alpha / sqrt(r): the same as alpha * sqrt(r) / r.
     alpha = float(alpha) * (math.sqrt(r) if values["use_rslora"] else 1.0)
     try:
-        check_lora_scale(f"{path}: lora_alpha", alpha, r)
+        lora.check_scale(f"{path}: lora_alpha", alpha, r)
     except ConfigError as error:
         raise HubError(str(error)) from None
     return AdapterConfig(path=path, rank=r, alpha=alpha, dropout=float(dropout),

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt.config import LORA_TARGETS, ConfigError, check_lora_scale, check_value
+from minigpt.config import LORA_TARGETS, ConfigError, check_value
 from minigpt.models.layers import Dense, dropout, fold_keys
 from minigpt.models.moe import STACKED_EXPERTS
 from minigpt.sharding import constrain
@@ -44,6 +44,21 @@ from minigpt.sharding import constrain
 # The attribute an adapted Dense keeps its adapter under; the optimizer decays its matrices.
 ADAPTER = "lora"
 RANK = "r"  # the rank's letter in the adapters' einsum strings (the layers' letters are capitals)
+
+
+# The largest LoRA scale (alpha / rank) taken. It multiplies each adapter's output: PEFT's usual
+# settings give 0.5 to 4, and a scale past this one swamps the weights it adapts long before
+# float32 overflows (a lora_alpha of 1e308 imported as all-infinite weights).
+MAX_SCALE = 1e4
+
+
+def check_scale(alpha_name: str, alpha: float, rank: int) -> None:
+    """Refuse adapters whose scale alpha / rank is over MAX_SCALE (`alpha_name` names where the
+    alpha comes from, e.g. "train.lora_alpha")."""
+    if alpha / rank > MAX_SCALE:
+        raise ConfigError(f"{alpha_name} = {alpha:g} with rank {rank} scales each adapter's "
+                          f"output by {alpha / rank:.3g}, over the {MAX_SCALE:g} LoRA allows "
+                          f"here (the usual settings give 0.5 to 4): lower the alpha")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +96,7 @@ class Adapters:
             raise ConfigError(f"adapters need a rank > 0, an alpha > 0, a dropout in [0, 1) and "
                               f"targets; got {self.rank}, {self.alpha}, {self.dropout} and "
                               f"{list(self.targets)}")
-        check_lora_scale("adapters.alpha", self.alpha, self.rank)
+        check_scale("adapters.alpha", self.alpha, self.rank)
 
     @classmethod
     def from_record(cls, record: dict[str, Any] | None) -> Adapters | None:

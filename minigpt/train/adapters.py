@@ -32,6 +32,7 @@ def requested(cfg: TrainConfig) -> lora.Adapters | None:
     """The adapters a run's training config asks for (None: rank 0, no adapters)."""
     if not cfg.lora_rank:
         return None
+    lora.check_scale("train.lora_alpha", cfg.lora_alpha, cfg.lora_rank)  # named as it was set
     return lora.Adapters(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
                          dropout=cfg.lora_dropout)
 

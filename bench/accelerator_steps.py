@@ -153,10 +153,10 @@ def _time_train_step(model: str, batch: int, seq: int, changes: dict, dtype: str
     from bench.report import timed
     from minigpt.train.flops import flops_per_token
 
-    cfg, step, _ = _train_step(model, batch, seq, changes, dtype, impl)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
+    cfg, place, step, _ = _train_step(model, batch, seq, changes, dtype, impl)
+    data = place(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32))
     began = time.perf_counter()
-    times, reported = timed(lambda: step(tokens), repeats)
+    times, reported = timed(lambda: step(data), repeats)
     # The warm-up call compiled the step and ran it once: what it took beyond a step.
     compile_s = time.perf_counter() - began - sum(times) - statistics.median(times)
     step_s = statistics.median(times)
@@ -168,8 +168,9 @@ def _time_train_step(model: str, batch: int, seq: int, changes: dict, dtype: str
 
 def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, impl: str):
     """A zoo model and its optimizer on one device (preset dp), born from seed 0; returns its
-    config, `step(tokens)`, which runs one train step on a [batch, seq + 1] array of token
-    ids and returns what the step reports, and the model it trains."""
+    config, `place(tokens)`, which puts a [batch, seq + 1] array of token ids on the device as
+    a batch, `step(batch)`, which runs one train step on it and returns what the step reports,
+    and the model it trains."""
     import jax
     from flax import nnx
 
@@ -194,13 +195,16 @@ def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, imp
     rates, rng = lr_schedule.lr_schedule(train_cfg), jax.random.key(0)
     layout = sharding.batch_sharding(preset, mesh)
 
-    def step(tokens):
+    def place(tokens):
         with sharding.use_preset(preset, mesh):
-            data = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
+            return sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
                                       layout)
+
+    def step(data):
+        with sharding.use_preset(preset, mesh):
             return steps.train_step(model_state, optimizer, data, rng, rates)
 
-    return cfg, step, model_state
+    return cfg, place, step, model_state
 
 
 def parity(settings: dict) -> dict:
@@ -238,10 +242,10 @@ def _losses(model: str, batch: int, seq: int, changes: dict, dtype: str, impl: s
 
     if dtype == "auto":
         dtype = kernels.compute_dtype("auto")
-    cfg, step, _ = _train_step(model, batch, seq, changes, dtype, impl)
+    cfg, place, step, _ = _train_step(model, batch, seq, changes, dtype, impl)
     draw = np.random.default_rng(0)
-    return [float(step(draw.integers(0, cfg.vocab_size, (batch, seq + 1), np.int32))["loss"])
-            for _ in range(count)]
+    return [float(step(place(draw.integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)))[
+        "loss"]) for _ in range(count)]
 
 
 def stories(settings: dict) -> dict:

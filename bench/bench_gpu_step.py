@@ -57,7 +57,6 @@ def parts(label: str, model: str, batch: int, seq: int, changes: dict, repeats: 
 
 def _timed_parts(label: str, model: str, batch: int, seq: int, changes: dict,
                  repeats: int) -> dict:
-    import jax
     import numpy as np
     from flax import nnx
 
@@ -65,16 +64,14 @@ def _timed_parts(label: str, model: str, batch: int, seq: int, changes: dict,
     from bench.report import timed
     from minigpt.train.flops import flops_per_token
 
-    cfg, step, state = _train_step(model, batch, seq, changes, "auto", "auto")
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32)
-    data = {"inputs": jax.numpy.asarray(tokens[:, :-1]),
-            "targets": jax.numpy.asarray(tokens[:, 1:])}
+    cfg, place, step, state = _train_step(model, batch, seq, changes, "auto", "auto")
+    data = place(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32))
     forward = nnx.jit(lambda m, b: m.loss(b))
     backward = nnx.jit(nnx.value_and_grad(lambda m, b: m.loss(b)))
     found = {"label": label, "batch": batch, "seq": seq}
     for name, call in (("forward_ms", lambda: forward(state, data)),
                        ("forward_backward_ms", lambda: backward(state, data)),
-                       ("step_ms", lambda: step(tokens))):
+                       ("step_ms", lambda: step(data))):
         began = time.perf_counter()
         times, _ = timed(call, repeats)
         found[name] = 1e3 * statistics.median(times)

@@ -48,8 +48,8 @@ def test_cpu_kernels_give_the_reference_loss_and_every_gradient(name, batch, seq
     data = {k: jnp.asarray(v) for k, v in random_batch(cfg.vocab_size, batch, seq, 5).items()}
     ref_loss, ref_grads = loss_and_grads(dataclasses.replace(cfg, kernels="reference"), data)
     cpu_loss, cpu_grads = loss_and_grads(dataclasses.replace(cfg, kernels="cpu"), data)
-    # float32's sums in another order; an accelerator's reductions (and its TF32 matmuls, which
-    # both sides use) order them differently again: 1.4e-6 apart on an H200 (2026-11-27)
+    # float32's sums in another order; an accelerator's reductions order them differently
+    # again: 1.4e-6 apart on an H200 (2026-11-27)
     assert cpu_loss == pytest.approx(ref_loss, rel=1e-6 if jax.default_backend() == "cpu"
                                      else 1e-5)
     assert ref_grads.keys() == cpu_grads.keys() and len(ref_grads) > 10

@@ -4,6 +4,8 @@ process of its own: it gets the check's settings and returns what it measured, a
 Every step runs the same code on a CPU (`--dry-run`: tiny shapes, a tiny time budget) and on an
 accelerator; only the sizes in `Sizes` differ. Steps that time things pay their compilation
 before they start the clock.
+The speed steps (the PyTorch peer, the trainer's runs, gpt2-small's decoding) and the
+comparison of them are `bench/accelerator_speed.py`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import accelerator_speed as speed
+
 REPO = Path(__file__).resolve().parent.parent
 # modded-nanogpt's speedrun record, as its authors report it: GPT-2 small (124M) trained at about
 # 675k tokens/s per H100, with FP8 matmuls, Muon, and every other trick in the book. A reference
@@ -28,6 +32,9 @@ MODDED_NANOGPT_TOKENS_PER_S = 675_000
 # How far the accelerator's losses may stray from the CPU's over the parity steps, relative:
 # about bfloat16's precision (2**-7), which float32 with TF32 matmuls also meets.
 PARITY_TOLERANCE = 1e-2
+# What a recipe's step alone takes from its [train] table: the optimizer and its settings.
+RECIPE_OPTIMIZER_FIELDS = ("optimizer", "lr", "muon_lr", "muon_momentum", "weight_decay",
+                           "beta1", "beta2", "grad_clip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +57,7 @@ TINY = dict(num_layers=1, embed_dim=64, num_heads=4, num_kv_heads=2, mlp_dim=128
 DEVICE = Sizes(
     mfu_runs=(("gpt2-small", 16, 1024, {}), ("llama-15m", 32, 256, {}), ("minigpt", 32, 256, {})),
     mfu_pairs=None, timed_steps=10, matmul_size=8192,
-    stories_args=("--time-budget", "2m", "--no-sample"), generate_new=256,
+    stories_args=("--time-budget", "45s", "--no-sample"), generate_new=256,
     parity_run=("llama-15m", 4, 128, {}))
 DRY = Sizes(
     mfu_runs=(("llama-cpu", 2, 64, TINY),), timed_steps=2, matmul_size=256,
@@ -68,7 +75,7 @@ def environment(settings: dict) -> dict:
     import jax
 
     import minigpt.models.kernels as kernels
-    from minigpt.train import flops
+    from minigpt.models import flops
 
     device = jax.devices()[0]
     sheet = next((peaks for name, peaks in flops.KNOWN_PEAKS.items()
@@ -76,7 +83,8 @@ def environment(settings: dict) -> dict:
     found = {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__,
              "python": sys.version.split()[0], "backend": jax.default_backend(),
              "devices": [d.device_kind for d in jax.devices()], "data_sheet_peaks": sheet,
-             "auto_kernels": kernels.resolve("auto"), "auto_dtype": kernels.compute_dtype("auto")}
+             "auto_kernels": kernels.kernel_set("auto"),
+             "auto_dtype": kernels.compute_dtype("auto")}
     try:
         from jax._src.lib import cuda_versions
         found["cudnn"] = cuda_versions.cudnn_get_version() if cuda_versions else None
@@ -101,7 +109,7 @@ def mfu(settings: dict) -> dict:
     import jax
 
     import minigpt.models.kernels as kernels
-    from minigpt.train import flops
+    from minigpt.models import flops
 
     sizes = DRY if settings["dry_run"] else DEVICE
     fused = "splash" if jax.default_backend() == "tpu" else "cudnn"
@@ -117,10 +125,15 @@ def mfu(settings: dict) -> dict:
     plan = sorted([(m, b, t, ch, dtype, attend) for m, b, t, ch in sizes.mfu_runs
                    for dtype, attend in pairs],
                   key=lambda run: (run[4] != "bfloat16", run[4] == "float32" and run[5] == "fused"))
-    plan = [(*run[:5], fused if run[5] == "fused" else run[5]) for run in plan]
+    plan = [(*run[:5], fused if run[5] == "fused" else run[5], None) for run in plan]
+    # First the steps the speed comparison sets beside the trainer, named
+    # (bench.accelerator_speed.STEP_RUNS), each in bfloat16 with the fused attention.
+    named = [(m, b, t, ch, "bfloat16", fused, name)
+             for name, m, b, t, ch in speed.STEP_RUNS["dry" if settings["dry_run"] else "device"]]
+    plan = named + [run for run in plan if run[:6] not in [n[:6] for n in named]]
     runs, skipped, last = [], [], 0.0
-    for model, batch, seq, changes, dtype, impl in plan:
-        label = f"{model} {batch}x{seq} {dtype} {impl}"
+    for model, batch, seq, changes, dtype, impl, name in plan:
+        label = f"{model} {batch}x{seq} {dtype} {impl}" + (f" ({name})" if name else "")
         if time.monotonic() + last > deadline:
             skipped.append(label)
             continue
@@ -129,11 +142,12 @@ def mfu(settings: dict) -> dict:
         try:
             run = _time_train_step(model, batch, seq, changes, dtype, impl, sizes.timed_steps)
         except Exception as error:  # noqa: BLE001 - recorded, and the next one runs
-            runs.append({"label": label, "error": f"{type(error).__name__}: {error}"[:500]})
+            runs.append({"label": label, "name": name,
+                         "error": f"{type(error).__name__}: {error}"[:500]})
             continue
         last = time.monotonic() - began
         achieved = run["flops_per_step"] / run["step_s"]
-        run.update(label=label, fallbacks=list(kernels.FALLBACKS),
+        run.update(label=label, name=name, fallbacks=list(kernels.FALLBACKS),
                    achieved_tflops=achieved / 1e12,
                    mfu_data_sheet=achieved / sheet[dtype] if sheet else None,
                    mfu_matmul=achieved / matmul[dtype],
@@ -151,7 +165,7 @@ def _time_train_step(model: str, batch: int, seq: int, changes: dict, dtype: str
                      repeats: int) -> dict:
     """One compiled train step of a zoo model on one device, timed after a warm-up call."""
     from bench.report import timed
-    from minigpt.train.flops import flops_per_token
+    from minigpt.models.flops import flops_per_token
 
     cfg, place, step, _ = _train_step(model, batch, seq, changes, dtype, impl)
     data = place(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32))
@@ -170,38 +184,45 @@ def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, imp
     """A zoo model and its optimizer on one device (preset dp), born from seed 0; returns its
     config, `place(tokens)`, which puts a [batch, seq + 1] array of token ids on the device as
     a batch, `step(batch)`, which runs one train step on it and returns what the step reports,
-    and the model it trains."""
+    and the model it trains. `model` "recipe:NAME" is a recipe's model with its fields and its
+    optimizer settings (`RECIPE_OPTIMIZER_FIELDS`)."""
     import jax
     from flax import nnx
 
     from minigpt import sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, get_config
-    from minigpt.train import lr_schedule, steps
-    from minigpt.train.optimizer import make_optimizer
+    from minigpt.optim import lr_schedule, steps
+    from minigpt.optim.optimizer import make_optimizer
 
+    optimizer_fields = {}
+    if model.startswith("recipe:"):
+        from minigpt.runs.overrides import load_recipe
+
+        recipe = load_recipe(model.removeprefix("recipe:"))
+        model, changes = recipe.model, {**recipe.model_fields, **changes}
+        optimizer_fields = {k: v for k, v in recipe.train_fields.items()
+                            if k in RECIPE_OPTIMIZER_FIELDS}
     cfg = dataclasses.replace(get_config(model), context_len=max(seq, 1), dtype=dtype,
                               kernels=impl, **changes)
     # A short schedule, so that the parity steps' losses move (the rate is the peak by step 2)
-    train_cfg = TrainConfig(batch_size=batch, preset="dp", steps=20, warmup_steps=2)
-    preset = sharding.load_preset("dp")
-    mesh = sharding.make_mesh(preset)
+    train_cfg = TrainConfig(batch_size=batch, preset="dp", steps=20, warmup_steps=2,
+                            **optimizer_fields)
+    layout = sharding.Layout.make("dp")
 
     def build():
         built = build_model(cfg, rngs=nnx.Rngs(0))
         return built, nnx.Optimizer(built, make_optimizer(train_cfg), wrt=nnx.Param)
 
-    model_state, optimizer = sharding.create_sharded(build, preset, mesh)
+    model_state, optimizer = sharding.create_sharded(build, layout)
     rates, rng = lr_schedule.lr_schedule(train_cfg), jax.random.key(0)
-    layout = sharding.batch_sharding(preset, mesh)
 
     def place(tokens):
-        with sharding.use_preset(preset, mesh):
-            return sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
-                                      layout)
+        with layout.active():
+            return layout.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
 
     def step(data):
-        with sharding.use_preset(preset, mesh):
+        with layout.active():
             return steps.train_step(model_state, optimizer, data, rng, rates)
 
     return cfg, place, step, model_state
@@ -283,8 +304,8 @@ def generation(settings: dict) -> dict:
     from minigpt.generate import generate_tokens
     from minigpt.models import build_model, get_config
     from minigpt.runs import load_run
+    from minigpt.runs.overrides import load_recipe
     from minigpt.tokenizer import load_tokenizer
-    from minigpt.train.recipes import load_recipe
 
     sizes = DRY if settings["dry_run"] else DEVICE
     run_dir = Path(settings["out"]) / "stories"
@@ -310,6 +331,7 @@ def generation(settings: dict) -> dict:
         rows = call()
         found["tokens_per_s"][str(batch)] = sum(map(len, rows)) / (time.perf_counter() - began)
         found.setdefault("story", "Once upon a time" + tokenizer.decode(rows[0]))
+    found["greedy"] = speed.greedy_decoding(settings)  # gpt2-small's, at batch 1 and 16
     return found
 
 
@@ -392,8 +414,9 @@ def _fresh_python(path: Path) -> Path:
     return python
 
 
-STEPS = {"environment": environment, "mfu": mfu, "parity": parity, "stories": stories,
-         "generation": generation, "notebooks": notebooks}
+STEPS = {"environment": environment, "mfu": mfu, "parity": parity, "peer": speed.peer,
+         "trainer": speed.trainer, "stories": stories, "generation": generation,
+         "notebooks": notebooks}
 
 
 def run_step(name: str, settings: dict) -> None:

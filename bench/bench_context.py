@@ -48,17 +48,16 @@ def worker(spec: dict) -> dict:
     from minigpt import parallel, sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, get_config
+    from minigpt.optim.optimizer import make_optimizer
     from minigpt.train import lr_schedule, steps
-    from minigpt.train.optimizer import make_optimizer
 
     T = spec["seq_len"]
     cfg = dataclasses.replace(get_config(MODEL), context_len=T)
     how = sharding.ContextParallel(strategy=spec["strategy"])
-    preset = sharding.load_preset(spec["preset"])
-    mesh = sharding.make_mesh(preset)
+    layout = sharding.Layout.make(spec["preset"])
     if spec.get("attention"):  # one layer's attention, forward and backward, shapes only
-        with sharding.use_preset(preset, mesh, context_parallel=how):
-            split = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(
+        with layout.replace(context_parallel=how).active():
+            split = jax.sharding.NamedSharding(layout.mesh, sharding.logical_to_spec(
                 ("batch", "seq", "heads", None)))
             q = jax.ShapeDtypeStruct((BATCH, T, cfg.num_heads, cfg.head_dim), jnp.float32,
                                      sharding=split)
@@ -70,19 +69,19 @@ def worker(spec: dict) -> dict:
         return {"temp": memory.temp_size_in_bytes}
 
     train_cfg = TrainConfig(batch_size=BATCH, seq_len=T, context_strategy=spec["strategy"])
-    settings = sharding.check_layout(preset, mesh, model=MODEL, num_layers=cfg.num_layers,
-                                     batch_size=BATCH, seq_len=T, context_parallel=how)
+    layout = layout.replace(context_parallel=how).checked(
+        model=MODEL, num_layers=cfg.num_layers, batch_size=BATCH, seq_len=T)
 
     def build():
         model = build_model(cfg, rngs=nnx.Rngs(0))
         return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
 
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    model, optimizer = sharding.create_sharded(build, layout)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, T + 1)).astype(np.int32)
     rng, rates = jax.random.key(0), lr_schedule.lr_schedule(train_cfg)
-    with sharding.use_preset(preset, mesh, settings, context_parallel=how):
+    with layout.active():
         batch = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
-                                   sharding.batch_sharding(preset, mesh))
+                                   layout.batch_sharding())
         start = time.perf_counter()
         compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
         compile_s = time.perf_counter() - start

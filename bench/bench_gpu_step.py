@@ -62,7 +62,7 @@ def _timed_parts(label: str, model: str, batch: int, seq: int, changes: dict,
 
     from bench.accelerator_steps import _train_step
     from bench.report import timed
-    from minigpt.train.flops import flops_per_token
+    from minigpt.models.flops import flops_per_token
 
     cfg, place, step, state = _train_step(model, batch, seq, changes, "auto", "auto")
     data = place(np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1), np.int32))

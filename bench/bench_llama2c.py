@@ -100,22 +100,21 @@ def minigpt_contender(cfg, tokens):
     from minigpt import sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model
+    from minigpt.optim.optimizer import make_optimizer
     from minigpt.train import lr_schedule, steps
-    from minigpt.train.optimizer import make_optimizer
 
     train_cfg = TrainConfig(batch_size=BATCH, lr=6e-3, weight_decay=0.1, steps=100_000)
     model = build_model(cfg, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, make_optimizer(train_cfg), wrt=nnx.Param)
     rates = lr_schedule.lr_schedule(train_cfg)
     rng = jax.random.key(0)
-    preset = sharding.load_preset("dp")
-    mesh = sharding.make_mesh(preset)
-    with sharding.use_preset(preset, mesh):
+    layout = sharding.Layout.make("dp")
+    with layout.active():
         batch = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
-                                   sharding.batch_sharding(preset, mesh))
+                                   layout.batch_sharding())
 
     def run(n: int) -> float:
-        with sharding.use_preset(preset, mesh):
+        with layout.active():
             for _ in range(n):
                 metrics = steps.train_step(model, optimizer, batch, rng, rates)
             return float(metrics["loss"])
@@ -164,7 +163,7 @@ def describe(framework: str) -> str:
     import jax
 
     from minigpt.models import kernels
-    return (f"kernels \"{kernels.resolve('auto')}\" on {jax.default_backend()}; "
+    return (f"kernels \"{kernels.kernel_set('auto')}\" on {jax.default_backend()}; "
             f"jax {jax.__version__}")
 
 

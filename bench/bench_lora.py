@@ -87,8 +87,7 @@ def worker(spec: dict) -> dict:
     B, T = spec["batch"], spec["seq"]
     train_cfg = TrainConfig(preset=spec["preset"], batch_size=B, seq_len=T,
                             lora_rank=spec["rank"], lr=1e-4, warmup_steps=0)
-    preset = sharding.load_preset(spec["preset"])
-    mesh = sharding.make_mesh(preset)
+    layout = sharding.Layout.make(spec["preset"])
 
     def build():
         return adapters.build(model_cfg, train_cfg, replicated=spec["replicated"])
@@ -96,35 +95,35 @@ def worker(spec: dict) -> dict:
     # The state's shapes, laid out as the preset says: the step compiles from these alone.
     graphdef, state = nnx.split(nnx.eval_shape(build))
     placed = jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
-                          state, sharding.state_shardings(preset, mesh, state))
+                          state, sharding.state_shardings(layout, state))
     shapes = nnx.merge(graphdef, placed)
-    held = {name: sum(r["bytes_per_device"] for r in sharding.describe(preset, mesh, part))
+    held = {name: sum(r["bytes_per_device"] for r in sharding.describe(layout, part))
             for name, part in (("base", nnx.state(shapes[0], nnx.All(
                 nnx.Param, nnx.Not(nnx.LoRAParam)))),
                 ("adapters", nnx.state(shapes[0], nnx.LoRAParam)),
                 ("optimizer", nnx.state(shapes[1])))}
-    batch_sharding = sharding.batch_sharding(preset, mesh)
+    batch_sharding = layout.batch_sharding()
     batch = {k: jax.ShapeDtypeStruct((B, T), np.int32, sharding=batch_sharding)
              for k in ("inputs", "targets")}
     rng, rates = jax.random.key(0), lr_schedule.lr_schedule(train_cfg)
-    with sharding.use_preset(preset, mesh):
+    with layout.active():
         start = time.perf_counter()
         memory = steps.train_step.lower(*shapes, batch, rng, rates).compile().memory_analysis()
         compile_s = time.perf_counter() - start
     per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
                   - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
     result = {"per_device": per_device, "temp": memory.temp_size_in_bytes,
-              "need": per_device * mesh.size, "compile_s": compile_s, "held": held,
+              "need": per_device * layout.mesh.size, "compile_s": compile_s, "held": held,
               "before": before}
     # Run only what leaves room beside it: starting from the weights and compiling took up to
     # 2.5 GiB beyond the step in the rows measured, for the 1B shape.
     if result["need"] + 4 * GIB > spec["free"]:
         return result
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    model, optimizer = sharding.create_sharded(build, layout)
     adapters.start_from(model, Path(spec["run"]), adapters.requested(train_cfg),
                         say=lambda _: None)
     tokens = np.random.default_rng(0).integers(0, 4096, (B, T + 1)).astype(np.int32)
-    with sharding.use_preset(preset, mesh):
+    with layout.active():
         placed_batch = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
                                           batch_sharding)
         times, _ = timed(lambda: steps.train_step(model, optimizer, placed_batch, rng, rates),

@@ -49,8 +49,8 @@ def worker(spec: dict) -> dict:
     from minigpt import sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, count_params, get_config
+    from minigpt.optim.optimizer import make_optimizer
     from minigpt.train import lr_schedule, steps
-    from minigpt.train.optimizer import make_optimizer
 
     cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
     train_cfg = TrainConfig(batch_size=BATCH)
@@ -64,11 +64,11 @@ def worker(spec: dict) -> dict:
     host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     preset = sharding.load_preset(spec["preset"])
     mesh = sharding.make_mesh(preset)
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    model, optimizer = sharding.create_sharded(build, sharding.Layout(preset, mesh))
     rng, rates = jax.random.key(0), lr_schedule.lr_schedule(train_cfg)
     how = sharding.Experts(move=spec.get("move", "tokens"))
-    with sharding.use_preset(preset, mesh, experts=how):
-        batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
+    with sharding.Layout(preset, mesh, experts=how).active():
+        batch = sharding.put_batch(host_batch, sharding.Layout(preset, mesh).batch_sharding())
         start = time.perf_counter()
         compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
         compile_s = time.perf_counter() - start

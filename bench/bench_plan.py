@@ -101,9 +101,9 @@ SPEED_PRESETS = ("dp", "fsdp", "dp_tp", "fsdp_tp", "dp_pp")
 def configs(model: str, batch: int, seq: int, overrides: dict[str, str], folder: Path):
     """The model and training configs of a case, an imported shape read from its config.json
     the way `python -m minigpt.plan --hf` reads it."""
-    import minigpt.train.cli as train_cli
     from minigpt.config import TrainConfig
     from minigpt.plan.cli import hf_config
+    from minigpt.runs.overrides import parse_overrides
 
     if model in IMPORTED:
         path = folder / model / "config.json"
@@ -114,15 +114,16 @@ def configs(model: str, batch: int, seq: int, overrides: dict[str, str], folder:
         from minigpt.models import get_config
 
         model_cfg = get_config(model)
-    changes = train_cli.parse_overrides([f"{k}={v}" for k, v in overrides.items()])
+    changes = parse_overrides([f"{k}={v}" for k, v in overrides.items()])
     return (dataclasses.replace(model_cfg, **changes["model"]),
             TrainConfig(model=model, batch_size=batch, seq_len=seq, **changes["train"]))
 
 
 def grid(indices: list[int]) -> list[dict]:
     """Plan and compile each case of the grid in this process (8 simulated devices)."""
-    from minigpt import plan, sharding
+    from minigpt import plan
     from minigpt.plan.compiled import compile_step
+    from minigpt.runs import resolved
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -132,8 +133,8 @@ def grid(indices: list[int]) -> list[dict]:
             start = time.perf_counter()
             estimate = plan.estimate(model_cfg, train_cfg, name, DEVICES)
             planned = time.perf_counter() - start
-            compiled = compile_step(model_cfg, train_cfg, sharding.load_preset(name),
-                                    estimate.pipeline)
+            on = dataclasses.replace(train_cfg, preset=name)
+            compiled = compile_step(model_cfg, train_cfg, resolved.layout(model_cfg, on))
             rows.append({"case": i, "model": model, "preset": name, "batch": batch,
                          "seq": seq, "settings": overrides, "plan": estimate.total,
                          "phase": estimate.memory.phase, "compiled": compiled.total,
@@ -147,9 +148,9 @@ def speed_worker(spec: dict) -> dict:
     import jax
     import numpy as np
 
-    import minigpt.train.adapters as adapters
-    import minigpt.train.lr_schedule as lr_schedule
-    import minigpt.train.steps as steps
+    import minigpt.optim.lr_schedule as lr_schedule
+    import minigpt.optim.state as adapters
+    import minigpt.optim.steps as steps
     from bench.report import timed
     from minigpt import plan, sharding
     from minigpt.config import TrainConfig
@@ -159,15 +160,14 @@ def speed_worker(spec: dict) -> dict:
     train_cfg = TrainConfig(model=spec["model"], batch_size=spec["batch"], seq_len=spec["seq"],
                             document_mask=False)
     estimate = plan.estimate(model_cfg, train_cfg, spec["preset"], DEVICES)
-    preset = sharding.load_preset(spec["preset"])
-    mesh = sharding.make_mesh(preset)
+    layout = sharding.Layout.make(spec["preset"])
     model, optimizer = sharding.create_sharded(lambda: adapters.build(model_cfg, train_cfg),
-                                               preset, mesh)
+                                               layout)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model_cfg.vocab_size, (spec["batch"], spec["seq"] + 1), np.int32)
-    with sharding.use_preset(preset, mesh, estimate.pipeline):
+    with layout.replace(pipeline=estimate.pipeline).active():
         batch = sharding.put_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]},
-                                   sharding.batch_sharding(preset, mesh))
+                                   layout.batch_sharding())
         rates, key = lr_schedule.lr_schedule(train_cfg), jax.random.key(0)
         seconds, _ = timed(lambda: steps.train_step(model, optimizer, batch, key, rates),
                            spec["steps"])

@@ -81,7 +81,7 @@ def held_out_score(run: Path, held: list[str]) -> dict:
     import minigpt
 
     loaded = minigpt.load_run(run)
-    with minigpt.use_preset(loaded.preset, loaded.mesh):
+    with loaded.layout.active():
         return score(loaded.model, loaded.tokenizer, scored_text(held[:CURVE_STORIES]))
 
 

@@ -42,9 +42,9 @@ def worker(spec: dict) -> dict:
     from minigpt import pipeline, sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, get_config
+    from minigpt.models.flops import flops_per_token, measure_matmul_peak
+    from minigpt.optim.optimizer import make_optimizer
     from minigpt.train import lr_schedule, steps
-    from minigpt.train.flops import flops_per_token, measure_matmul_peak
-    from minigpt.train.optimizer import make_optimizer
 
     cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
     train_cfg = TrainConfig(batch_size=spec["batch"])
@@ -57,25 +57,25 @@ def worker(spec: dict) -> dict:
 
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1)).astype(np.int32)
     host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    preset = sharding.load_preset(spec["preset"])
-    mesh = sharding.make_mesh(preset)
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
-    rows = sharding.describe(preset, mesh, nnx.state(model, nnx.Param))
-    rows += sharding.describe(preset, mesh, nnx.state(optimizer))
+    layout = sharding.Layout.make(spec["preset"])
+    model, optimizer = sharding.create_sharded(build, layout)
+    rows = sharding.describe(layout, nnx.state(model, nnx.Param))
+    rows += sharding.describe(layout, nnx.state(optimizer))
     state_bytes = sum(r["bytes_per_device"] for r in rows)
     rng = jax.random.key(0)
     rates = lr_schedule.lr_schedule(train_cfg)
-    pipe = sharding.check_layout(preset, mesh, model=spec["model"], num_layers=cfg.num_layers,
-                                 pipeline=sharding.Pipeline(
-                                     microbatches=spec.get("pipeline_microbatches", 0),
-                                     schedule=spec.get("pipeline_schedule", "gpipe"),
-                                     repeats=spec.get("pipeline_repeats", 1)))
+    layout = layout.replace(pipeline=sharding.Pipeline(
+        microbatches=spec.get("pipeline_microbatches", 0),
+        schedule=spec.get("pipeline_schedule", "gpipe"),
+        repeats=spec.get("pipeline_repeats", 1))).checked(model=spec["model"],
+                                                          num_layers=cfg.num_layers)
+    pipe = layout.pipeline
     if pipe.repeats > 1:  # the circular schedule keeps each stage's chunks side by side
-        order = pipeline.schedules.layer_order(cfg.num_layers, mesh.shape["stage"], pipe.repeats)
+        order = pipeline.schedules.layer_order(cfg.num_layers, layout.stages, pipe.repeats)
         for obj in (model, optimizer):
             nnx.update(obj, pipeline.reorder_layers(nnx.state(obj), order))
-    with sharding.use_preset(preset, mesh, pipe):
-        batch = sharding.put_batch(host_batch, sharding.batch_sharding(preset, mesh))
+    with layout.active():
+        batch = sharding.put_batch(host_batch, layout.batch_sharding())
         start = time.perf_counter()
         compiled = steps.train_step.lower(model, optimizer, batch, rng, rates).compile()
         compile_s = time.perf_counter() - start
@@ -90,7 +90,7 @@ def worker(spec: dict) -> dict:
     return {"step_s": step_s, "compile_s": compile_s, "tokens_per_s": B * T / step_s,
             "temp_bytes": memory.temp_size_in_bytes,
             "achieved": flops / step_s, "peak": peak, "mfu": flops / step_s / peak,
-            "peak_bytes": peak_bytes, "state_bytes": state_bytes, "devices": mesh.size,
+            "peak_bytes": peak_bytes, "state_bytes": state_bytes, "devices": layout.mesh.size,
             "context": T,
             "device_kind": jax.devices()[0].device_kind}
 

@@ -10,14 +10,13 @@ may move. Importing `minigpt` is cheap: each name loads its module when first us
     summary = minigpt.train(cfg, minigpt.TrainConfig(model="llama-tiny", preset="fsdp",
                                                      steps=200, out="runs/demo"))
     run = minigpt.load_run("runs/demo")                     # its latest weights, laid out by `dp`
-    with minigpt.use_preset(run.preset, run.mesh):
+    with run.layout.active():
         stories = minigpt.generate(run.model, run.tokenizer, ["Once upon a time"],
                                    max_new_tokens=100, rng=jax.random.key(0))
 
-    preset = minigpt.load_preset("fsdp")                    # a preset, its mesh, a model born
-    mesh = minigpt.make_mesh(preset)                        # sharded under it
-    model = minigpt.create_sharded(lambda: minigpt.build_model(cfg, rngs=nnx.Rngs(0)),
-                                   preset, mesh)
+    layout = minigpt.Layout.make("fsdp")                    # a preset over the devices, and a
+    model = minigpt.create_sharded(                         # model born sharded under it
+        lambda: minigpt.build_model(cfg, rngs=nnx.Rngs(0)), layout)
 
     data_dir = minigpt.prepare_data(["my_stories.txt"], tokenizer=cfg.tokenizer)
     minigpt.import_checkpoint("HuggingFaceTB/SmolLM2-135M-Instruct", "runs/smol")
@@ -38,6 +37,8 @@ _PUBLIC = {
     "TrainConfig": "minigpt.config",
     "get_config": "minigpt.models",
     "build_model": "minigpt.models",
+    "Layout": "minigpt.sharding",
+    "UserError": "minigpt.errors",
     "load_preset": "minigpt.sharding",
     "make_mesh": "minigpt.sharding",
     "use_preset": "minigpt.sharding",

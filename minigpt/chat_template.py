@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any
 
+from minigpt.errors import UserError
+
 SECONDS = 5.0  # wall time a render may take
 MEMORY = 1 << 30  # address space the rendering process may use, in bytes
 # Characters a chat may render per token of the context it must fit: far above what any
@@ -43,7 +45,7 @@ CHARS_PER_TOKEN = 32
 DEFAULT_MAX_CHARS = 1 << 22
 
 
-class RenderError(RuntimeError):
+class RenderError(UserError, RuntimeError):
     """A chat template that cannot render (fails, loops too long, renders too much); the
     message is one line saying which."""
 

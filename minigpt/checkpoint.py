@@ -37,11 +37,13 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from minigpt.errors import UserError
+
 # Orbax writes a checkpoint to `<step>.orbax-checkpoint-tmp-<time>` and renames it when complete.
 TEMPORARY_MARK = ".orbax-checkpoint-tmp-"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing or cannot be read; the message says what to do."""
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any
 
+from minigpt.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value a user gave is invalid; the message says which and why."""
 
 
@@ -37,6 +40,9 @@ def check_value(where: str, annotation: Any, value: Any) -> None:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(
             value)
         kind = "a finite number"
+    elif isinstance(annotation, types.UnionType):  # bool | str: either; the field says which
+        ok = isinstance(value, annotation) and not (isinstance(value, float))
+        kind = " or ".join(a.__name__ for a in typing.get_args(annotation))
     else:
         ok, kind = isinstance(value, annotation), annotation.__name__
     if not ok:
@@ -61,12 +67,13 @@ def _check_fields(config: Any, scope: str) -> None:
         check_value(f"{scope}.{f.name}", hints[f.name], value)
 
 
-DTYPES = ("auto", "float32", "bfloat16")  # auto: see minigpt.models.kernels.compute_dtype
+DTYPES = ("auto", "float32", "bfloat16")  # auto: see minigpt.models.execution
 KERNELS = ("auto", "reference", "cpu", "cudnn", "splash")  # see minigpt.models.kernels
+REMAT_POLICIES = ("auto", "none", "minimal", "full")  # see minigpt.models.execution
 ROPE_SCALINGS = ("", "llama3", "linear")  # see minigpt.models.layers.rope_frequencies
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # see minigpt.pipeline.schedules
 CONTEXT_STRATEGIES = ("ring", "all_gather")  # see minigpt.parallel.ring
-OPTIMIZERS = ("adamw", "muon")  # see minigpt.train.optimizer
+OPTIMIZERS = ("adamw", "muon")  # see minigpt.optim.optimizer
 # The projections LoRA adapts by default: attention's and the feed-forward's (minigpt.models.lora).
 LORA_TARGETS = ("query", "key", "value", "out", "gate", "up", "down")
 
@@ -88,14 +95,23 @@ class ModelConfig:
     # any power-of-two mesh axis; padded entries are masked out of every softmax.
     vocab_multiple: int = 128
     dtype: str = "auto"  # compute (auto: bf16 on accelerators); parameters stay float32
-    remat: bool = False
-    # How the stacked layers run: lax.scan (one block in the compiled program, fast to compile
-    # and, measured on CPU, also faster per step) or an unrolled loop. Parameters and
-    # checkpoints are the same either way.
-    scan_layers: bool = True
+    # What the backward pass recomputes instead of keeping (minigpt.models.execution): "none",
+    # "minimal" (keeps the matmuls' outputs, recomputes the rest), "full" (keeps each layer's
+    # input alone), or "auto": none unless the planner finds the step does not fit the device
+    # without it. Runs from before the policies recorded true ("full") or false ("none").
+    remat: bool | str = "auto"
+    # How the stacked layers run: lax.scan (one block in the compiled program, fast to compile)
+    # or an unrolled loop; "auto": scanned on a CPU, unrolled on GPUs and TPUs, where it steps
+    # faster (minigpt.models.execution says on what figures). Parameters and checkpoints are the
+    # same either way.
+    scan_layers: bool | str = "auto"
     # Which implementation of the backend-tuned operations to run (minigpt.models.kernels): "auto"
     # picks the CPU-tuned ones on a CPU, fused attention elsewhere. All compute the same.
     kernels: str = "auto"
+    # Run the blocks' matmuls and the output head as FP8 products (minigpt.models.fp8: e4m3
+    # operands, e5m2 gradients, per-tensor scales from each tensor itself); parameters,
+    # optimizer state and checkpoints are unchanged, so a run may resume or generate without it.
+    fp8: bool = False
     # The tokenizer the model reads and writes (minigpt.tokenizer): "gpt2", a vocabulary shipped
     # in minigpt/vocabularies (e.g. "tinystories-4k") or a .tiktoken file. Runs from before this
     # field existed used GPT-2's.
@@ -103,9 +119,19 @@ class ModelConfig:
     # Attention head size; 0: embed_dim // num_heads. Imported checkpoints may set it (Llama's
     # `head_dim`), as attention then need not have the embedding's width.
     head_size: int = 0
-    # Whether Llama's output head is the token embedding table (SmolLM2 ties them); GPT-2 and
-    # minigpt always tie.
+    # Whether the output head is the token embedding table: Llama's where true (SmolLM2 ties
+    # them), GPT-2's and Gemma's always; minigpt's never is (the tutorial's model has an output
+    # layer of its own, with a bias), so true is refused there.
     tie_embeddings: bool = False
+    # Sliding-window attention (minigpt.models.masks): a query sees the last `sliding_window`
+    # keys of its document, its own included (0: all of them), on every layer, or with
+    # `sliding_window_pattern` N on all but every N-th layer (Gemma 3: five local, one global).
+    sliding_window: int = 0
+    sliding_window_pattern: int = 0
+    # Gemma 3 (minigpt.models.gemma3): queries scaled by 1/sqrt(query_pre_attn_scalar) (0: the
+    # head size), and the local layers' rotary base (0: rope_theta, the global layers').
+    query_pre_attn_scalar: float = 0.0
+    local_rope_theta: float = 0.0
     # Llama only: RMSNorm over each query and key head (a learned scale per head feature,
     # shared by the heads) before the rotary embedding, as Qwen3 does; Hugging Face calls
     # such a model Qwen3ForCausalLM. Runs from before this field existed have none.
@@ -151,6 +177,13 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.sliding_window < 0 or self.sliding_window_pattern < 0:
+            raise ConfigError(f"model.sliding_window and model.sliding_window_pattern must be >= "
+                              f"0 (0: none), got {self.sliding_window} and "
+                              f"{self.sliding_window_pattern}")
+        if self.sliding_window_pattern and not self.sliding_window:
+            raise ConfigError("model.sliding_window_pattern says which layers are local: it "
+                              "needs model.sliding_window, the local layers' window")
         if self.head_size < 0:
             raise ConfigError(f"model.head_size must be positive (or 0), got {self.head_size}")
         if not self.head_size and self.embed_dim % self.num_heads:
@@ -168,9 +201,12 @@ class ModelConfig:
                               f"{self.norm_eps} and {self.rope_theta}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.qk_norm and self.arch != "llama":
-            raise ConfigError(f"model.qk_norm is a llama option (Qwen3's query and key norms); "
-                              f"the {self.arch} architecture has none")
+        if self.remat not in (True, False, *REMAT_POLICIES):
+            raise ConfigError(f"model.remat must be one of {', '.join(REMAT_POLICIES)} (true and "
+                              f"false, from older runs, mean full and none), got {self.remat!r}")
+        if self.scan_layers not in (True, False, "auto"):
+            raise ConfigError(f"model.scan_layers must be true, false or auto, got "
+                              f"{self.scan_layers!r}")
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ConfigError(f"model.rope_scaling must be one of {ROPE_SCALINGS} (\"\": none), "
                               f"got {self.rope_scaling!r}")
@@ -181,51 +217,35 @@ class ModelConfig:
         if self.rope_scaling == "llama3" and self.rope_original_context <= 0:
             raise ConfigError("model.rope_scaling llama3 needs model.rope_original_context "
                               "(the context the model was trained with before scaling)")
-        if (self.qkv_bias or self.out_bias or self.rope_scaling) and self.arch != "llama":
-            raise ConfigError(f"model.qkv_bias, model.out_bias and model.rope_scaling are llama "
-                              f"options; the {self.arch} architecture has none")
         if self.kernels not in KERNELS:
             raise ConfigError(f"model.kernels must be one of {KERNELS}, got {self.kernels!r}")
-        self._check_experts()
+        self._check_family()
 
-    def _check_experts(self) -> None:
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in MOE_FIELDS}
-        changed = [f"model.{name}" for name, default in defaults.items()
-                   if getattr(self, name) != default]
-        if changed and self.arch != "llama":
-            raise ConfigError(f"{', '.join(changed)}: a mixture of experts is a llama option; "
-                              f"the {self.arch} architecture has none")
-        if self.num_experts < 0:
-            raise ConfigError(f"model.num_experts must be >= 0 (0: dense), got "
-                              f"{self.num_experts}")
-        if not self.num_experts:
-            if changed:
-                raise ConfigError(f"{', '.join(changed)}: a mixture-of-experts setting, for a "
-                                  f"model with model.num_experts > 0")
-            return
-        if not 1 <= self.experts_per_token <= self.num_experts:
-            raise ConfigError(f"model.experts_per_token ({self.experts_per_token}) must be "
-                              f"between 1 and model.num_experts ({self.num_experts})")
-        if self.moe_capacity_factor < 0:
-            raise ConfigError(f"model.moe_capacity_factor must be > 0 (capacity dispatch) or 0 "
-                              f"(dropless), got {self.moe_capacity_factor}")
-        if min(self.expert_mlp_dim, self.shared_expert_mlp_dim) < 0:
-            raise ConfigError("model.expert_mlp_dim and model.shared_expert_mlp_dim must be >= 0")
-        if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
-            raise ConfigError("model.router_aux_loss_coef and model.router_z_loss_coef must be "
-                              ">= 0")
-        if self.decoder_sparse_step < 1 or any(
-                not 0 <= i < self.num_layers for i in self.mlp_only_layers):
-            raise ConfigError(f"model.decoder_sparse_step must be >= 1 and model.mlp_only_layers "
-                              f"name layers 0..{self.num_layers - 1}")
-        dense = [i for i in range(self.num_layers) if i in self.mlp_only_layers
-                 or (i + 1) % self.decoder_sparse_step]
-        if dense:
-            raise ConfigError(
-                f"model.decoder_sparse_step {self.decoder_sparse_step} and model.mlp_only_layers "
-                f"{list(self.mlp_only_layers)} make layer(s) {dense} dense: minigpt stacks one "
-                f"kind of layer, so every layer of a mixture of experts is sparse "
-                f"(decoder_sparse_step=1, no mlp_only_layers)")
+    def _check_family(self) -> None:
+        """The fields only some families read, refused for the others (`FAMILIES`, which
+        minigpt.models fills), then the family's own checks."""
+        family = FAMILIES.get(self.arch)
+        if family is None:
+            return  # an architecture no family registered: build_model names the known ones
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        owned = {name for other in FAMILIES.values() for name in other.options}
+        changed = [name for name in sorted(owned - family.options)
+                   if getattr(self, name) != defaults[name]]
+        if changed:
+            owners = sorted({other.name for other in FAMILIES.values()
+                             if set(changed) & other.options})
+            names = ", ".join(f"model.{name}" for name in changed)
+            what = (f"{names}: a mixture of experts is" if set(changed) <= set(MOE_FIELDS) else
+                    f"{names} {'is' if len(changed) == 1 else 'are'}")
+            raise ConfigError(f"{what} a {' or '.join(owners)} option; the {self.arch} "
+                              f"architecture has none")
+        if family.check is not None:
+            family.check(self)
+
+    @property
+    def remat_policy(self) -> str:
+        """`remat` as a policy name: older runs' true and false are "full" and "none"."""
+        return {True: "full", False: "none"}.get(self.remat, self.remat)
 
     @property
     def expert_dim(self) -> int:
@@ -246,8 +266,14 @@ class ModelConfig:
         return (self.vocab_size + m - 1) // m * m
 
 
+# Each architecture family's rules, by `arch`, registered by `minigpt.models` when it is
+# imported (each family's own folder says them, `minigpt.models.family.Family`): `options`, the
+# config fields only some families read, refused for the others so that no setting is
+# silently ignored, and `check(cfg)`, the family's own checks.
+FAMILIES: dict[str, Any] = {}
+
 # Fields that say how a model runs, not what it is: a run may resume with other values.
-EXECUTION_FIELDS = ("dtype", "remat", "scan_layers", "kernels")
+EXECUTION_FIELDS = ("dtype", "remat", "scan_layers", "kernels", "fp8")
 # The mixture-of-experts fields: a llama option, inert (and refused) without experts.
 MOE_FIELDS = ("num_experts", "experts_per_token", "norm_topk_prob", "expert_mlp_dim",
               "shared_expert_mlp_dim", "decoder_sparse_step", "mlp_only_layers",
@@ -282,8 +308,8 @@ class TrainConfig:
     document_mask: bool = True
     lr: float = 1e-3
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
-    # Linear warm-up steps; -1: a tenth of the run, at most 100 (`warmup_for`), so short runs
-    # reach their peak rate too.
+    # Linear warm-up steps; -1: a tenth of the run, at most 100 (`minigpt.runs.resolved`), so
+    # short runs reach their peak rate too.
     warmup_steps: int = -1
     decay_steps: int = 0  # step at which the cosine reaches its floor; 0: at `steps`
     # Where the cosine starts (-1: where the warm-up ends; later holds the peak until then, a

@@ -26,10 +26,11 @@ from flax import nnx
 
 import minigpt.models.kernels as kernels
 from minigpt import parallel, pipeline, sharding
-from minigpt.config import LORA_TARGETS, ConfigError, TrainConfig
+from minigpt.config import LORA_TARGETS, TrainConfig
+from minigpt.errors import exit_code
 from minigpt.models import get_config
+from minigpt.optim import state as adapters
 from minigpt.runtime import set_simulated_devices
-from minigpt.train import adapters
 
 
 def parameter_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -48,11 +49,11 @@ def mib(rows: list[dict[str, Any]], key: str) -> str:
     return f"{sum(r[key] for r in rows) / 2**20:,.2f} MiB"
 
 
-def stage_map(preset: sharding.Preset, mesh, num_layers: int, settings: sharding.Pipeline,
-              block_rows: list[dict[str, Any]], sequences: int | None = None) -> list[str]:
+def stage_map(layout: sharding.Layout, num_layers: int, block_rows: list[dict[str, Any]],
+              sequences: int | None = None) -> list[str]:
     """Which layers and devices each pipeline stage holds, the schedule, its bubble and the
     stage inputs each stage keeps: lines to print."""
-    axis = preset.mesh_axes_of("layers")[0]
+    mesh, settings, axis = layout.mesh, layout.pipeline, layout.axis_of("layers")
     S, M, R = mesh.shape[axis], settings.microbatches, settings.repeats
     devices = np.moveaxis(mesh.devices, list(mesh.axis_names).index(axis), 0).reshape(S, -1)
     block_bytes = sum(r["bytes_per_device"] for r in block_rows)
@@ -75,10 +76,11 @@ def stage_map(preset: sharding.Preset, mesh, num_layers: int, settings: sharding
     return lines
 
 
-def expert_map(preset: sharding.Preset, mesh, num_experts: int,
+def expert_map(layout: sharding.Layout, num_experts: int,
                expert_rows: list[dict[str, Any]]) -> list[str]:
     """Which experts each device holds and the bytes of expert weights per device: lines."""
-    entry = preset.spec(("expert",))[0]
+    preset, mesh = layout.preset, layout.mesh
+    entry = layout.spec(("expert",))[0]
     axes = sharding.mesh_axes_in(entry)
     held = sum(r["bytes_per_device"] for r in expert_rows)
     total = sum(r["bytes"] for r in expert_rows)
@@ -103,11 +105,11 @@ def expert_map(preset: sharding.Preset, mesh, num_experts: int,
     return lines
 
 
-def context_map(preset: sharding.Preset, mesh) -> list[str]:
+def context_map(layout: sharding.Layout) -> list[str]:
     """Which chunks of every sequence each device of the sequence's mesh axis holds (the
     dual-chunk order `minigpt.parallel` runs the model in): lines to print."""
-    axis = sharding.sequence_axis(preset.rules)
-    n = mesh.shape[axis]
+    axis = layout.axis_of("seq")
+    n = layout.mesh.shape[axis]
     chunks = parallel.dual_chunk_order(2 * n, n).reshape(n, 2)
     lines = [f"context: every sequence cut into {2 * n} chunks over mesh axis {axis!r} "
              f"({n} devices), device i holding chunks i and {2 * n - 1}-i so that causal "
@@ -157,10 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def adapter_lines(preset: sharding.Preset, mesh, model, rows: list[dict[str, Any]],
+def adapter_lines(layout: sharding.Layout, model, rows: list[dict[str, Any]],
                   rank: int) -> list[str]:
     """The parameters' bytes split into the frozen base and the adapters (what trains)."""
-    adapted = sharding.describe(preset, mesh, nnx.state(model, nnx.LoRAParam))
+    adapted = sharding.describe(layout, nnx.state(model, nnx.LoRAParam))
     base = [r for r in rows if r["name"] not in {a["name"] for a in adapted}]
     return [f"  frozen base:   {mib(base, 'bytes_per_device')} per device (of "
             f"{mib(base, 'bytes')}): no gradients, no optimizer state",
@@ -172,26 +174,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.devices:
         set_simulated_devices(args.devices)
-    try:
-        preset = sharding.load_preset(args.preset)
-        cfg = get_config(args.model)
-        mesh = sharding.make_mesh(preset)
-        train_cfg = TrainConfig(lora_rank=args.lora_rank, lora_targets=tuple(
-            t for t in args.lora_targets.split(",") if t))
-        adapters.check(cfg, train_cfg, preset, mesh)
-        model, optimizer = nnx.eval_shape(lambda: adapters.build(cfg, train_cfg))
-        sharding.check_divisible(preset, mesh, nnx.state(model))
-        settings = sharding.check_layout(
-            preset, mesh, model=args.model, num_layers=cfg.num_layers,
-            batch_size=args.batch_size or None,
-            pipeline=sharding.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
-                                       repeats=args.repeats), num_experts=cfg.num_experts)
-    except (sharding.PresetError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    params = sharding.describe(preset, mesh, nnx.state(model, nnx.Param))
-    opt = sharding.describe(preset, mesh, nnx.state(optimizer))
+    return exit_code(lambda: _explain(args))
 
+
+def _explain(args: argparse.Namespace) -> int:
+    cfg = get_config(args.model)
+    pipe = sharding.Pipeline(microbatches=args.microbatches, schedule=args.schedule,
+                             repeats=args.repeats)
+    layout = sharding.Layout.make(args.preset, pipeline=pipe)
+    train_cfg = TrainConfig(lora_rank=args.lora_rank, lora_targets=tuple(
+        t for t in args.lora_targets.split(",") if t))
+    adapters.check(cfg, train_cfg, layout)
+    model, optimizer = nnx.eval_shape(lambda: adapters.build(cfg, train_cfg))
+    sharding.check_divisible(layout, nnx.state(model))
+    layout = layout.checked(model=args.model, num_layers=cfg.num_layers,
+                            batch_size=args.batch_size or None, num_experts=cfg.num_experts)
+    params = sharding.describe(layout, nnx.state(model, nnx.Param))
+    opt = sharding.describe(layout, nnx.state(optimizer))
+
+    preset, mesh = layout.preset, layout.mesh
     mesh_text = " x ".join(f"{a}={n}" for a, n in mesh.shape.items())
     print(f"model {args.model} under preset {preset.name!r}: {preset.description}")
     print(f"mesh: {mesh_text} ({mesh.size} {jax.devices()[0].platform} devices)")
@@ -200,17 +201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nparameters:      {mib(params, 'bytes_per_device')} per device "
           f"(of {mib(params, 'bytes')} in all)")
     if args.lora_rank:
-        print("\n".join(adapter_lines(preset, mesh, model, params, args.lora_rank)))
+        print("\n".join(adapter_lines(layout, model, params, args.lora_rank)))
     print(f"optimizer state: {mib(opt, 'bytes_per_device')} per device "
           f"(of {mib(opt, 'bytes')} in all)")
     if cfg.num_experts:
         experts = [r for r in params if "expert" in r["axes"]]
-        print("\n" + "\n".join(expert_map(preset, mesh, cfg.num_experts, experts)))
-    if preset.mesh_axes_of("seq") and mesh.shape[sharding.sequence_axis(preset.rules)] > 1:
-        print("\n" + "\n".join(context_map(preset, mesh)))
-    if settings.microbatches:
+        print("\n" + "\n".join(expert_map(layout, cfg.num_experts, experts)))
+    if layout.ways("seq") > 1:
+        print("\n" + "\n".join(context_map(layout)))
+    if layout.pipeline.microbatches:
         blocks = [r for r in params if r["axes"][:1] == ("layers",)]
-        print("\n" + "\n".join(stage_map(preset, mesh, cfg.num_layers, settings, blocks,
+        print("\n" + "\n".join(stage_map(layout, cfg.num_layers, blocks,
                                            args.batch_size or None)))
     return 0
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import errno
 import hashlib
 import importlib.resources
 import json
@@ -84,21 +83,6 @@ def _json_kind(value: Any) -> str:
         type(value), "number")
 
 
-# The reasons a write fails that are the machine's state, not a bug: a full disk or quota, a
-# read-only or foreign folder, a file past its size limit.
-WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
-
-
-def write_fault(error: BaseException) -> str | None:
-    """The one-line refusal of a failed write that is the machine's state (`WRITE_FAULTS`):
-    what could not be written and why; None for any other error."""
-    if not isinstance(error, OSError) or error.errno not in WRITE_FAULTS:
-        return None
-    return (f"cannot write {error.filename or 'a file'}: {error.strerror}. What was written "
-            f"before is kept; once the cause is gone (free space, a writable folder), run the "
-            f"command again (a training run: with --resume)")
-
-
 def write_text_atomic(path: str | Path, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
@@ -161,6 +145,26 @@ def read_named_toml(name_or_path: str | Path, directory: Path, kind: str,
         raise error(unknown_name(kind, str(name_or_path), known,
                                  also=" or give the path of a .toml file"))
     try:
-        return path, tomllib.loads(path.read_text())
+        if path.stat().st_size > JSON_LIMIT:
+            raise error(f"{kind} {path.stem!r} ({path}) is {path.stat().st_size:,} bytes: a "
+                        f"{kind} file is a few lines of TOML")
+        return path, tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise error(f"{kind} {path.stem!r} ({path}) is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise error(f"{kind} {path.stem!r} ({path}) is not UTF-8 text (TOML files are): save it "
+                    f"as UTF-8") from None
+    except RecursionError:
+        raise error(f"{kind} {path.stem!r} ({path}) nests tables or arrays too deeply") from None
+    except OSError as e:
+        raise error(f"{kind} {path.stem!r} ({path}) cannot be read: {e.strerror}") from None
+
+
+def shadowed(name: str, path: Path) -> str | None:
+    """Where `name` (a preset or recipe given by name) was read from `path`, a shipped file, but
+    a file of that name lies in the working folder too: the note that says which was read."""
+    local = Path(f"{name}.toml")
+    if Path(name).suffix == ".toml" or not local.is_file() or local.resolve() == path.resolve():
+        return None
+    return (f"note: {name} is the shipped {path}, not ./{local} in this folder: give "
+            f"./{local} to use that one")

@@ -27,14 +27,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from minigpt import CallableModule, chat_template, sharding
+from minigpt.errors import UserError, exit_code
 from minigpt.models import DecoderLM
 from minigpt.models.sampling import decode, stream_tokens, to_host
-from minigpt.runs import LOAD_ERRORS, RunDir, load_run, with_recorded_template
-from minigpt.runtime import plain_warnings, relaunch_with_huge_pages, set_simulated_devices
+from minigpt.runs import RunDir, load_run, with_recorded_template
+from minigpt.runtime import (
+    plain_warnings,
+    relaunch_with_huge_pages,
+    set_gpu_flags,
+    set_simulated_devices,
+)
 from minigpt.tokenizer import load_tokenizer
 
 
-class GenerationError(ValueError):
+class GenerationError(UserError, ValueError):
     """A request the model cannot serve (prompt too long, bad sampling values, bad run)."""
 
 
@@ -240,7 +246,7 @@ def load_for_generation(run: str | Path, preset_name: str = "dp"):
     """The earlier spelling of `minigpt.runs.load_run`, kept for scripts that use it: the
     run's (model, tokenizer, preset, mesh, step)."""
     loaded = load_run(run, preset_name)
-    return loaded.model, loaded.tokenizer, loaded.preset, loaded.mesh, loaded.step
+    return loaded.model, loaded.tokenizer, loaded.layout.preset, loaded.layout.mesh, loaded.step
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -278,13 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.devices:
         set_simulated_devices(args.devices)
-    try:
-        with plain_warnings():
-            _tell(args)
-    except (GenerationError, *LOAD_ERRORS) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    with plain_warnings():
+        return exit_code(lambda: _tell(args))
 
 
 def _tell(args: argparse.Namespace) -> None:
@@ -312,7 +313,7 @@ def _tell(args: argparse.Namespace) -> None:
                     top_k=args.top_k, top_p=args.top_p)
     stream = args.num_samples == 1
     show = (lambda text: print(text, end="", flush=True)) if stream else None
-    with sharding.use_preset(loaded.preset, loaded.mesh):
+    with loaded.layout.active():
         if stream and not args.chat:
             print(args.prompt, end="", flush=True)
         texts = [chat(model, tokenizer, messages, rng=jax.random.fold_in(
@@ -338,4 +339,5 @@ if __name__ == "__main__":
               f"training run, or the --out of python -m minigpt.hub import", file=sys.stderr)
         sys.exit(2)
     relaunch_with_huge_pages()
+    set_gpu_flags()  # before JAX starts its backends
     sys.exit(main())

@@ -17,6 +17,9 @@
   run on the CPU there). `MINIGPT_HUGE_PAGES=0` turns it off; setting GLIBC_TUNABLES yourself,
   to anything, leaves your setting alone.
 - `has_accelerator()`: whether a GPU or TPU is attached, asked without starting JAX.
+- `set_gpu_flags()`: on an NVIDIA GPU, the XLA flags that speed up a training step, added to
+  XLA_FLAGS before JAX starts without overriding any the user set, and said in the run's first
+  lines (`gpu_flags_note`).
 - `device_memory()`, `check_fits(...)`: the bytes one device may hold, and the refusal of a
   model (or adapters, or optimizer) whose weights alone exceed them, before anything is
   allocated.
@@ -42,7 +45,7 @@ import jax
 from minigpt.config import ConfigError
 
 if TYPE_CHECKING:
-    from minigpt.sharding import Preset
+    from minigpt.sharding import Layout
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 TRANSPARENT_HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -81,10 +84,10 @@ def device_memory() -> int | None:
     return total // len(devices)
 
 
-def check_fits(preset: Preset, mesh, states: list, *, what: str, hint: str) -> None:
+def check_fits(layout: Layout, states: list, *, what: str, hint: str) -> None:
     """Refuse (ConfigError, one line) what cannot fit the devices, from shapes alone, before
     anything is allocated: the bytes one device holds of `states` (abstract NNX states: the
-    weights, and for training their gradients and the optimizer's state) laid out by `preset`,
+    weights, and for training their gradients and the optimizer's state) laid out by `layout`,
     against a device's memory (`device_memory`). A lower bound of what a run needs:
     the activations of a step come on top (`minigpt.plan` estimates those); this catches a
     size no machine can hold (a rank of a billion, a width from a damaged file) before JAX
@@ -93,10 +96,10 @@ def check_fits(preset: Preset, mesh, states: list, *, what: str, hint: str) -> N
 
     have = device_memory()
     need = sum(row["bytes_per_device"] for state in states
-               for row in sharding.describe(preset, mesh, state))
+               for row in sharding.describe(layout, state))
     if have is not None and need > have:
         raise ConfigError(f"{what} needs {need / 2**30:,.1f} GiB on each device under preset "
-                          f"{preset.name} for its weights{' and optimizer' * (len(states) > 1)} "
+                          f"{layout.name} for its weights{' and optimizer' * (len(states) > 1)} "
                           f"alone, more than a device here has ({have / 2**30:,.1f} GiB): "
                           f"{hint}")
 
@@ -164,6 +167,38 @@ def _huge_pages_available() -> bool:
         return "[never]" not in TRANSPARENT_HUGE_PAGES.read_text()
     except OSError:
         return False
+
+
+# XLA flags for one NVIDIA GPU's training step, set before JAX starts (`set_gpu_flags`). They
+# are MaxText's GPU defaults: the latency-hiding scheduler (it overlaps collectives and copies
+# with compute) and cuBLAS rather than Triton for matrix products. NOT YET MEASURED HERE: the
+# next GPU session's accelerator check times the step with and without each
+# (bench/bench_gpu_step.py's variants) and keeps only what measures faster.
+GPU_FLAGS = {"--xla_gpu_enable_latency_hiding_scheduler": "true",
+             "--xla_gpu_enable_triton_gemm": "false"}
+_gpu_flags_set: list[str] = []  # what set_gpu_flags added, for the run's first lines
+
+
+def set_gpu_flags() -> list[str]:
+    """On a machine with an NVIDIA GPU, add `GPU_FLAGS` to XLA_FLAGS before JAX starts, never
+    overriding a flag the user set there (to anything); returns (and keeps for
+    `gpu_flags_note`) the flags added. Elsewhere nothing. `MINIGPT_GPU_FLAGS=0` turns it off."""
+    if shutil.which("nvidia-smi") is None or os.environ.get("MINIGPT_GPU_FLAGS") == "0":
+        return []
+    present = os.environ.get("XLA_FLAGS", "")
+    added = [f"{flag}={value}" for flag, value in GPU_FLAGS.items() if flag not in present]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([present, *added]).strip()
+        _gpu_flags_set[:] = added
+    return added
+
+
+def gpu_flags_note() -> str | None:
+    """The line that says which XLA flags minigpt set for the GPU (None: none)."""
+    if not _gpu_flags_set:
+        return None
+    return (f"note: XLA flags for the GPU, added to XLA_FLAGS: {' '.join(_gpu_flags_set)} "
+            f"(yours are kept; MINIGPT_GPU_FLAGS=0 adds none)")
 
 
 def has_accelerator() -> bool:

@@ -36,6 +36,7 @@ from tiktoken_ext import openai_public
 
 from minigpt import chat_template
 from minigpt.config import ConfigError, check_value
+from minigpt.errors import UserError
 from minigpt.files import first_line, read_json_object, write_text_atomic
 
 DEFAULT_TOKENIZER = "gpt2"
@@ -48,7 +49,7 @@ EOT = "<|endoftext|>"
 PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-class TokenizerError(RuntimeError):
+class TokenizerError(UserError, RuntimeError):
     """A tokenizer cannot be loaded; the message says what to do about it."""
 
 

@@ -4,7 +4,7 @@ Every test runs on 8 simulated CPU devices, whatever accelerator the machine has
 presets apply everywhere. The flags must be in the environment before JAX is first imported,
 which is why this happens at import time of the conftest, not in a fixture. MINIGPT_TEST_DEVICES=
 native leaves the devices as they are (the accelerator check runs the tests that need no
-simulated devices on a GPU so). Measured peaks (minigpt.train.flops) are kept in a temporary
+simulated devices on a GPU so). Measured peaks (minigpt.models.flops) are kept in a temporary
 folder, never in the user's cache.
 
 Offline assets (TinyStories text, the GPT-2 tokenizer files) are found through MINIGPT_ASSETS,
@@ -240,10 +240,10 @@ def float32_compute(monkeypatch):
     """`model.dtype=auto` computes in float32 on every backend, as on a CPU: for the tests that
     compare logits with transformers' float32 ones to 1e-4, which an accelerator's bfloat16
     (auto's choice there) cannot meet. Layers read the dtype when they are built."""
-    from minigpt.models import kernels
+    from minigpt.models import execution
 
-    as_on_a_cpu = kernels.compute_dtype
-    monkeypatch.setattr(kernels, "compute_dtype",
+    as_on_a_cpu = execution.compute_dtype
+    monkeypatch.setattr(execution, "compute_dtype",
                         lambda choice, platform=None: as_on_a_cpu(choice, platform or "cpu"))
 
 

@@ -19,6 +19,10 @@ and tokenizer_config.json have the structure the real ones have.
   their tokenizer_config.json says).
 - SmolLM2: `tokenizers` BPE with Digits (each digit alone) then ByteLevel, tied; the instruct
   variant with SmolLM2's ChatML template.
+- Gemma 3 (text): `Gemma3ForCausalLM`, a local (sliding window of 8) and a global layer, its own
+  query scale and rotary bases, tied; a SentencePiece BPE with byte fallback and Gemma's
+  special tokens converted by `GemmaTokenizer`; a template in Gemma's turn format (the system
+  message joins the first user turn, the assistant is "model").
 
 tokenizer_config.json names the class the real files name (PreTrainedTokenizerFast,
 Qwen2Tokenizer, LlamaTokenizer, GPT2Tokenizer). What the tests compare with is transformers'
@@ -56,6 +60,7 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_t
                    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
                    *[f"<|reserved_special_token_{i}|>" for i in range(3, 9)]]
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+GEMMA_TURNS = ["<start_of_turn>", "<end_of_turn>"]
 SMOLLM2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>",
                     "<file_sep>", "<filename>", "<gh_stars>", "<issue_start>", "<issue_comment>"]
 
@@ -108,6 +113,25 @@ SMOLLM2_TEMPLATE = (
     "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Gemma's turn format, written here (Gemma 3's own template also takes images).
+GEMMA_TEMPLATE = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set prefix = messages[0]['content'] + '\n\n' %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set prefix = '' %}
+{%- endif %}
+{%- for message in messages %}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}
+    {{- '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<start_of_turn>model\n' }}
+{%- endif %}
+"""
 
 CHAT_SYSTEM = "You are a storyteller for small children."
 CHAT_MESSAGE = "Tell me a story about a cat named Tom."
@@ -171,6 +195,26 @@ def sentencepiece_tokenizer(work: Path) -> transformers.PreTrainedTokenizerBase:
     (work / "tokenizer.model").write_bytes(model.getvalue())
     return transformers.LlamaTokenizer.from_pretrained(
         work, add_bos_token=True, add_eos_token=False, legacy=False, model_max_length=128)
+
+
+def gemma_tokenizer(work: Path) -> transformers.PreTrainedTokenizerBase:
+    """Gemma's layout: SentencePiece BPE with byte fallback, no dummy prefix, its specials
+    first (<pad> 0, <eos> 1, <bos> 2, <unk> 3) and its turn markers, converted by
+    GemmaTokenizer, which adds <bos>."""
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for s in training_stories() for line in s.splitlines()
+                                if line.strip()]),
+        model_writer=model, model_type="bpe", vocab_size=500, byte_fallback=True,
+        split_digits=True, allow_whitespace_only_pieces=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", add_dummy_prefix=False, pad_id=0, eos_id=1,
+        bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", user_defined_symbols=GEMMA_TURNS, character_coverage=0.9995,
+        minloglevel=2, num_threads=1)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "tokenizer.model").write_bytes(model.getvalue())
+    return transformers.GemmaTokenizer.from_pretrained(
+        work, model_max_length=128, add_bos_token=True, additional_special_tokens=GEMMA_TURNS)
 
 
 def smollm2_tokenizer(*, instruct: bool) -> transformers.PreTrainedTokenizerBase:
@@ -269,7 +313,7 @@ FAMILIES = {
                           tie_word_embeddings=False), eos=("</s>",), bos="<s>"),
     "mistral": Family(sentencepiece_tokenizer, MISTRAL, transformers.MistralConfig,
                       dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                           sliding_window=None, tie_word_embeddings=False),
+                           sliding_window=8, tie_word_embeddings=False),
                       eos=("</s>",), bos="<s>"),
     "smollm2": Family(lambda w: smollm2_tokenizer(instruct=False), LLAMA,
                       transformers.LlamaConfig,
@@ -283,6 +327,18 @@ FAMILIES = {
                                     tie_word_embeddings=True), eos=("<|im_end|>",),
                                bos="<|im_start|>", template=SMOLLM2_TEMPLATE,
                                stop="<|im_end|>", tokenizer_class="GPT2Tokenizer"),
+    "gemma3": Family(gemma_tokenizer, transformers.Gemma3ForCausalLM,
+                     transformers.Gemma3TextConfig,
+                     dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                          layer_types=["sliding_attention", "full_attention"],
+                          rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                 "rope_theta": 10000.0},
+                                           "full_attention": {"rope_type": "default",
+                                                              "rope_theta": 1e6}},
+                          hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                          rms_norm_eps=1e-6),
+                     eos=("<eos>", "<end_of_turn>"), bos="<bos>", template=GEMMA_TEMPLATE,
+                     stop="<end_of_turn>", tokenizer_class="GemmaTokenizer"),
 }
 
 
@@ -317,7 +373,7 @@ def write_family(name: str, directory: Path) -> Checkpoint:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (*family.eos, family.bos) if t}
     eos = [ids[t] for t in family.eos]
     vocab = -(-len(tokenizer) // family.vocab_multiple) * family.vocab_multiple
-    config = family.config(vocab_size=vocab, **SMALL, **family.fields,
+    config = family.config(vocab_size=vocab, **{**SMALL, **family.fields},
                            bos_token_id=ids.get(family.bos),
                            eos_token_id=eos if len(eos) > 1 else eos[0])
     model = randomize(family.model(config))

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from minigpt import explain, sharding
-from minigpt.models import attention, build_model, get_config, kernels
+from minigpt.models import attention, build_model, execution, get_config, kernels
 
 B, T, VOCAB = 2, 128, 256  # 2 of the CPU kernels' attention blocks, one of Splash's
 
@@ -50,13 +50,13 @@ def _fresh_fallbacks(monkeypatch):
 
 
 def test_auto_means_each_backends_own_kernels_and_dtype(monkeypatch):
-    assert kernels.resolve("auto", "cpu") == "cpu"
-    assert kernels.compute_dtype("auto", "cpu") == "float32"
+    assert execution.kernel_set("auto", "cpu") == "cpu"
+    assert execution.compute_dtype("auto", "cpu") == "float32"
     for backend, kernel in (("gpu", "cudnn"), ("tpu", "splash"), ("METAL", "reference")):
         monkeypatch.setattr(kernels.jax, "default_backend", lambda b=backend: b)
-        assert kernels.resolve("auto") == kernel
-        assert kernels.compute_dtype("auto") == "bfloat16"
-        assert kernels.compute_dtype("float32") == "float32"  # the opt-out is kept
+        assert execution.kernel_set("auto") == kernel
+        assert execution.compute_dtype("auto") == "bfloat16"
+        assert execution.compute_dtype("float32") == "float32"  # the opt-out is kept
     assert kernels.describe("auto", "float32").startswith("kernels reference (auto: plain JAX")
     monkeypatch.setattr(kernels.jax, "default_backend", lambda: "gpu")
     assert kernels.describe("auto", "auto") == (
@@ -129,11 +129,10 @@ def test_splash_refuses_what_does_not_fit_its_blocks():
 
 
 @pytest.mark.slow
-def test_splash_in_the_interpreter_equals_the_reference_alone_and_under_a_preset(monkeypatch):
+def test_splash_in_the_interpreter_equals_the_reference_alone_and_under_a_preset():
     """The TPU kernel's wrapping (scaled queries, heads first, grouped heads, documents as
-    segment ids, the shard_map over the batch and the heads) checked in Pallas' interpreter:
-    outputs and gradients equal to the plain reference's."""
-    monkeypatch.setattr(kernels, "SPLASH_INTERPRET", True)
+    segment ids, the shard_map over the batch and the heads) checked in Pallas' interpreter
+    (the context's `splash_interpret`): outputs and gradients equal to the plain reference's."""
     q, k, v = qkv(batch=4)
     segments = jnp.concatenate([packed_batch(1)["segment_ids"]] * 2)
     weights = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
@@ -147,9 +146,10 @@ def test_splash_in_the_interpreter_equals_the_reference_alone_and_under_a_preset
     preset = sharding.load_preset("dp_tp")  # batch over data=4, heads over model=2
     for context in (None, preset):
         if context is None:
-            got = grads(kernels.get("splash"))
+            with sharding.running(splash_interpret=True):
+                got = grads(kernels.get("splash"))
         else:
-            with sharding.use_preset(preset, sharding.make_mesh(preset)):
+            with sharding.Layout.make(preset).active(), sharding.running(splash_interpret=True):
                 got = grads(kernels.get("splash"))
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

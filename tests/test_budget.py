@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from conftest import small_vocab
 
@@ -150,6 +151,14 @@ def test_a_budgeted_run_ends_its_cosine_with_the_time_and_compiles_its_step_once
     lrs = [r["lr"] for r in metrics if "lr" in r]
     assert len(lrs) == summary["step"]
     assert lrs[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio, rel=0.1)
+    # The default warm-up was fixed when the run started (config.json's "resolved"), before
+    # the budget knew the run's end: the rate rose by the same step all through it, never
+    # jumping when the budget fitted the end (as it did when the warm-up followed the end).
+    warmup = saved["resolved"]["warmup_steps"]
+    assert saved["train"]["warmup_steps"] == warmup and 1 <= warmup < summary["step"] // 2
+    rises = np.diff(lrs[:warmup])
+    assert np.all(rises > 0) and np.allclose(rises, cfg.lr / warmup, rtol=1e-3)
+    assert lrs[warmup - 1] == pytest.approx(cfg.lr, rel=1e-3)  # the peak, at its last step
     # Training stopped by the deadline (2% tolerance), or later by at most what the last
     # measurement said it would; data, the final eval and save come on top, and so would steps
     # slowing down after the last measurement (up to a quarter of the rest).

@@ -188,5 +188,5 @@ def test_a_zoo_models_chat_run_resumes_exactly_and_chats_as_it_trained(tmp_path,
     messages = [{"role": "user", "content": "Who is Tom?"}]
     assert run.tokenizer.render_chat(messages) == (
         "<|im_start|>user\nWho is Tom?<|endoftext|>\n<|im_start|>assistant\n")
-    with minigpt.use_preset(run.preset, run.mesh):
+    with run.layout.active():
         assert said == minigpt.chat(run.model, run.tokenizer, messages, max_new_tokens=12).strip()

@@ -20,7 +20,7 @@ from minigpt import generate, sharding, train
 from minigpt.checkpoint import Checkpointer, CheckpointError
 from minigpt.config import ModelConfig, TrainConfig
 from minigpt.models import build_model
-from minigpt.train import optimizer as optim
+from minigpt.optim import optimizer as optim
 
 SMALL = ModelConfig(vocab_size=512, context_len=32, embed_dim=64, num_heads=8, mlp_dim=64,
                     num_layers=2)
@@ -33,7 +33,7 @@ def state(preset_name: str, seed: int):
         model = build_model(SMALL, rngs=nnx.Rngs(seed))
         return model, nnx.Optimizer(model, optim.make_optimizer(TrainConfig()), wrt=nnx.Param)
 
-    return sharding.create_sharded(build, preset, sharding.make_mesh(preset))
+    return sharding.create_sharded(build, sharding.Layout.make(preset))
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ from conftest import losses, small_vocab
 
 from minigpt import train
 from minigpt.config import ConfigError, TrainConfig
+from minigpt.optim import steps
 from minigpt.runs import RunDir
-from minigpt.train import cli, steps
+from minigpt.train import cli
 
 pytestmark = pytest.mark.usefixtures("gpt2")
 

@@ -12,11 +12,10 @@ from minigpt.config import (
     parse_step_range,
 )
 from minigpt.models import get_config
+from minigpt.runs import resolved
+from minigpt.runs.overrides import available_recipes, load_recipe, parse_duration
 from minigpt.tokenizer import load_tokenizer
 from minigpt.train import cli
-from minigpt.train.budget import parse_duration
-from minigpt.train.lr_schedule import warmup_for
-from minigpt.train.recipes import available_recipes, load_recipe
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -72,7 +71,9 @@ def test_overrides_are_parsed_by_the_declared_type_and_scope():
     ("colour=blue", "unknown field 'colour'"),
     ("model.lr=1", "unknown field 'model.lr'"),
     ("steps", "expects key=value"),
-    ("remat=maybe", "expected true or false, got 'maybe'"),
+    ("qk_norm=maybe", "expected true or false, got 'maybe'"),
+    ("remat=maybe", "model.remat must be one of auto, none, minimal, full"),
+    ("scan_layers=sometimes", "model.scan_layers must be true, false or auto"),
     ("steps=many", "expected int, got 'many'"),
 ])
 def test_bad_overrides_say_what_is_wrong(item, message):
@@ -96,9 +97,9 @@ def test_bad_durations_are_refused(text):
 @pytest.mark.parametrize("steps, warmup, expected", [
     (40, -1, 4), (5, -1, 1), (500, -1, 50), (5000, -1, 100), (40, 25, 25), (40, 0, 0)])
 def test_warmup_defaults_to_a_tenth_of_the_run_capped_at_100(steps, warmup, expected):
-    assert warmup_for(TrainConfig(steps=steps, warmup_steps=warmup)) == expected
-    assert warmup_for(TrainConfig(steps=10_000, decay_steps=steps, warmup_steps=warmup)) \
-        == expected
+    assert resolved.warmup_steps(TrainConfig(steps=steps, warmup_steps=warmup)) == expected
+    decayed = TrainConfig(steps=10_000, decay_steps=steps, warmup_steps=warmup)
+    assert resolved.warmup_steps(decayed) == expected
 
 
 def test_every_shipped_recipe_names_a_zoo_model_and_valid_settings():

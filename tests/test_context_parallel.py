@@ -16,9 +16,8 @@ from minigpt.config import ConfigError, TrainConfig
 from minigpt.generate import generate_tokens
 from minigpt.models import build_model, get_config
 from minigpt.models.layers import dropout, token_keys
-from minigpt.parallel import blocks
-from minigpt.train import lr_schedule, steps
-from minigpt.train import optimizer as optim
+from minigpt.optim import lr_schedule, steps
+from minigpt.optim import optimizer as optim
 
 STRATEGIES = ("ring", "all_gather")
 CONTEXT_PRESETS = [p for p in sharding.available_presets()
@@ -45,7 +44,7 @@ def test_the_context_presets_split_seq_and_name_it_in_their_rules():
     for name in CONTEXT_PRESETS:
         preset = sharding.load_preset(name)
         assert preset.mesh_axes_of("seq") == ("context",)
-        assert sharding.sequence_axis(preset.rules) == "context"
+        assert sharding.Layout.make(preset).axis_of("seq") == "context"
 
 
 def test_dropout_masks_follow_each_tokens_position_not_its_place():
@@ -65,7 +64,6 @@ def test_dropout_masks_follow_each_tokens_position_not_its_place():
 def _attention_case(name, strategy, balanced, T, monkeypatch):
     """Value and gradients of a weighted sum of ring attention's outputs, in the model's order
     and put back, and of plain causal attention: q [2, T, 4, 8] against 2 key/value heads."""
-    monkeypatch.setattr(blocks, "TILE", 2)  # several tiles per chunk, even at these sizes
     rng = np.random.default_rng(0)
     q, k, v, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
                   for s in [(2, T, 4, 8), (2, T, 2, 8), (2, T, 2, 8), (2, T, 4, 8)])
@@ -74,10 +72,10 @@ def _attention_case(name, strategy, balanced, T, monkeypatch):
         return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) * w)
 
     want = jax.value_and_grad(plain, argnums=(0, 1, 2))(q, k, v)
-    preset = sharding.load_preset(name)
-    mesh = sharding.make_mesh(preset)
-    with sharding.use_preset(preset, mesh,
-                             context_parallel=sharding.ContextParallel(strategy, balanced)):
+    layout = sharding.Layout.make(name)
+    # tiles of 2 queries: several tiles per chunk, even at these sizes
+    how = sharding.ContextParallel(strategy, balanced, tile=2)
+    with layout.replace(context_parallel=how).active():
         order = parallel.sequence_order(T)
         order = np.arange(T) if order is None else order
 
@@ -115,13 +113,12 @@ def test_context_attention_composes_with_batch_and_head_splits(name, monkeypatch
 def test_a_length_the_chunks_do_not_divide_is_refused_before_tracing():
     with pytest.raises(ConfigError, match="choose a multiple of 16"):
         parallel.dual_chunk_order(40, 8)
-    preset = sharding.load_preset("cp")
-    mesh = sharding.make_mesh(preset)
+    layout = sharding.Layout.make("cp")
     q = jnp.zeros((1, 40, 4, 8))
-    with sharding.use_preset(preset, mesh), pytest.raises(ConfigError, match="multiple of 16"):
+    with layout.active(), pytest.raises(ConfigError, match="multiple of 16"):
         parallel.causal_attention(q, q, q)
-    with sharding.use_preset(preset, mesh, context_parallel=sharding.ContextParallel(
-            balanced=False)):  # without balancing, 8 chunks: 40 cuts
+    with layout.replace(context_parallel=sharding.ContextParallel(
+            balanced=False)).active():  # without balancing, 8 chunks: 40 cuts
         assert parallel.sequence_order(40) is None
         assert parallel.causal_attention(q, q, q).shape == q.shape
 
@@ -152,17 +149,16 @@ def _train(model_name: str, preset_name: str, strategy: str = "ring"):
         model = build_model(cfg, rngs=nnx.Rngs(0))
         return model, nnx.Optimizer(model, optim.make_optimizer(TRAIN), wrt=nnx.Param)
 
-    preset = sharding.load_preset(preset_name)
-    mesh = sharding.make_mesh(preset)
+    layout = sharding.Layout.make(preset_name)
     how = sharding.ContextParallel(strategy)
-    sharding.check_layout(preset, mesh, model=model_name, num_layers=cfg.num_layers,
-                          batch_size=TRAIN.batch_size, seq_len=SEQ, context_parallel=how)
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    layout = layout.replace(context_parallel=how).checked(
+        model=model_name, num_layers=cfg.num_layers, batch_size=TRAIN.batch_size, seq_len=SEQ)
+    model, optimizer = sharding.create_sharded(build, layout)
     seen = []
-    with sharding.use_preset(preset, mesh, context_parallel=how):
+    with layout.active():
         for step in range(STEPS):
             batch = sharding.put_batch(random_batch(cfg.vocab_size, TRAIN.batch_size, SEQ, step),
-                                       sharding.batch_sharding(preset, mesh))
+                                       layout.batch_sharding())
             metrics = steps.train_step(model, optimizer, batch, jax.random.key(7), RATES)
             seen.append((float(metrics["loss"]), float(metrics["grad_norm"])))
     params = {jax.tree_util.keystr(p): np.asarray(v) for p, v in
@@ -240,8 +236,7 @@ def test_context_and_pipeline_stages_together_are_refused_naming_both(tmp_path):
                     '[rules]\nlayers = "stage"\nseq = "context"\n')
     preset = sharding.load_preset(path)
     with pytest.raises(sharding.PresetError, match="`seq` .* and `layers`"):
-        sharding.check_layout(preset, sharding.make_mesh(preset), model="minigpt-tiny",
-                              num_layers=2, seq_len=32)
+        sharding.Layout.make(preset).checked(model="minigpt-tiny", num_layers=2, seq_len=32)
 
 
 @pytest.fixture
@@ -274,8 +269,7 @@ def test_a_model_generates_the_same_tokens_under_cp():
     prompts = [[464, 3797, 3332], list(range(100, 137))]
     want = generate_tokens(build_model(cfg, rngs=nnx.Rngs(0)), prompts, max_new_tokens=8,
                            temperature=0.0)
-    preset = sharding.load_preset("cp")
-    mesh = sharding.make_mesh(preset)
-    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), preset, mesh)
-    with sharding.use_preset(preset, mesh):
+    layout = sharding.Layout.make("cp")
+    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), layout)
+    with layout.active():
         assert generate_tokens(model, prompts, max_new_tokens=8, temperature=0.0) == want

@@ -98,13 +98,12 @@ def packed_and_alone(preset_name: str, name: str, strategy: str = "ring"):
     B, T, split = 8, 128, 50
     inputs, targets = (rng.integers(0, 256, (B, T)).astype(np.int32) for _ in range(2))
     ids = np.where(np.arange(T) < split, 1, 2)[None].repeat(B, 0).astype(np.int32)
-    preset = sharding.load_preset(preset_name)
-    mesh = sharding.make_mesh(preset)
-    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), preset, mesh)
+    layout = sharding.Layout.make(preset_name)
+    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), layout)
     pipe = sharding.Pipeline(microbatches=2) if "pp" in preset_name else sharding.Pipeline()
     how = sharding.ContextParallel(strategy=strategy)
 
-    with sharding.use_preset(preset, mesh, pipe, context_parallel=how):
+    with layout.replace(pipeline=pipe, context_parallel=how).active():
         step = sharding.jit(lambda m, b: nnx.value_and_grad(lambda m, b: m.loss(b))(m, b))
 
         def run(batch):

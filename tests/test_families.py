@@ -1,5 +1,6 @@
 """The dense families people download, against transformers itself: Llama 3 (llama3 rope scaling,
-tied and untied), Qwen2 / Qwen2.5 / Qwen3, Llama 2 / TinyLlama / Mistral and SmolLM2, each a tiny
+tied and untied), Qwen2 / Qwen2.5 / Qwen3, Llama 2 / TinyLlama / Mistral (a sliding window shorter
+than the sequences), SmolLM2 and Gemma 3 (local and global layers), each a tiny
 random checkpoint written by transformers' own classes and tokenizer converters
 (`hf_families`), so its files have the structure the real ones have.
 
@@ -33,7 +34,7 @@ pytest.importorskip("sentencepiece", reason="sentencepiece (the [hf] extra) trai
 import hf_families as hf  # noqa: E402
 import tokenizer_texts  # noqa: E402
 
-from minigpt import generate, hub, sharding  # noqa: E402
+from minigpt import generate, hub  # noqa: E402
 from minigpt.generate import chat, generate_tokens  # noqa: E402
 from minigpt.runs import load_run  # noqa: E402
 
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.usefixtures("float32_compute")
 # under dp as well: dp differs from fsdp only in where the weights lie, which
 # test_hub.py::test_gpt2_import_matches_the_architecture_under_every_preset checks preset by
 # preset, so the families need not meet it one by one.
-QUICK = {"llama3": "fsdp", "qwen2": "fsdp", "llama2": "fsdp"}
+QUICK = {"llama3": "fsdp", "qwen2": "fsdp", "llama2": "fsdp", "gemma3": "fsdp"}
 ALSO_UNDER_DP = "llama3-tied"
 CASES = [pytest.param(family, preset, id=f"{family}-{preset}",
                       marks=() if QUICK.get(family) == preset else pytest.mark.slow)
@@ -56,7 +57,8 @@ CASES = [pytest.param(family, preset, id=f"{family}-{preset}",
 # several end tokens); Qwen's and SmolLM2's ChatML with -m slow.
 INSTRUCT = [pytest.param(name, marks=() if name == "llama3-instruct" else pytest.mark.slow)
             for name, family in hf.FAMILIES.items() if family.template]
-EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +95,18 @@ def _theirs(model, ids) -> np.ndarray:
 
 
 def _ours(loaded, ids) -> np.ndarray:
-    with sharding.use_preset(loaded.preset, loaded.mesh):
+    with loaded.layout.active():
         logits = nnx.jit(lambda m, t: m(t))(loaded.model, jnp.asarray(ids))
     return np.asarray(logits)[..., :loaded.model.config.vocab_size]
 
 
 def _as_decoded(checkpoint: hf.Checkpoint, text: str) -> str:
-    """The text a tokenizer's ids decode to: Qwen's normalizer composes accents (NFC)."""
+    """The text a tokenizer's ids decode to: Qwen's normalizer composes accents (NFC); Gemma's
+    (which only turns spaces into `▁`) leaves them."""
     normalizer = checkpoint.tokenizer.backend_tokenizer.normalizer
-    return unicodedata.normalize("NFC", text) if normalizer is not None else text
+    composes = normalizer is not None and "NFC" in json.dumps(
+        json.loads(checkpoint.tokenizer.backend_tokenizer.to_str())["normalizer"])
+    return unicodedata.normalize("NFC", text) if composes else text
 
 
 def assert_same_tokenizer(ours, auto, checkpoint: hf.Checkpoint) -> None:
@@ -134,7 +139,7 @@ def test_family_imports_generates_and_exports_as_transformers_does(family, prese
     prompt = ours_tok.encode_prompt("Once upon a time, there was a little cat named Tom.")
     assert prompt == auto("Once upon a time, there was a little cat named Tom.")["input_ids"]
     expected = hf.greedy(ck.model, prompt, 20)
-    with sharding.use_preset(loaded.preset, loaded.mesh):
+    with loaded.layout.active():
         got = generate_tokens(loaded.model, [prompt], max_new_tokens=20, temperature=0.0,
                               stop_ids=ours_tok.stop_tokens, rng=jax.random.key(0))[0]
     stopped = len(expected) < 20 and expected[-1] in ck.stop_ids
@@ -145,7 +150,7 @@ def test_family_imports_generates_and_exports_as_transformers_does(family, prese
     bos = ck.tokenizer.convert_tokens_to_ids(ck.family.bos)
     adds_bos = auto("a")["input_ids"][:1] == [bos]
     assert ours_tok.bos_token == (bos if adds_bos else None)
-    assert adds_bos == family.startswith(("llama3", "llama2", "mistral"))
+    assert adds_bos == family.startswith(("llama3", "llama2", "mistral", "gemma3"))
     assert_same_tokenizer(ours_tok, auto, ck)
 
     # the export: transformers loads it and computes, encodes and stops as the original did
@@ -189,7 +194,7 @@ def test_chat_replies_token_for_token_as_transformers(family, checkpoint, import
         assert loaded.tokenizer.render_chat(messages) == ck.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False)
         theirs = hf.greedy(ck.model, hf.chat_prompt(ck, system), hf.CHAT_TOKENS)
-        with sharding.use_preset(loaded.preset, loaded.mesh):
+        with loaded.layout.active():
             ours = chat(loaded.model, loaded.tokenizer, messages,
                         max_new_tokens=hf.CHAT_TOKENS)
         assert ours == ck.tokenizer.decode(theirs, skip_special_tokens=True)
@@ -250,8 +255,12 @@ def _unloadable(directory):
 
 IMPORT_REFUSALS = {
     "yarn": ("qwen2", _yarn, 'rope_type "yarn"'),
-    "sliding-window": ("mistral", lambda d: _edit(d / "config.json", sliding_window=32),
-                       "sliding_window = 32"),
+    # sliding windows import (Mistral's on every layer, Gemma 3's on five of six); a global
+    # layer before the local ones is an order minigpt does not implement
+    "window-order": ("gemma3", lambda d: _edit(d / "config.json", layer_types=[
+        "full_attention", "sliding_attention"]), "layer_types in an order"),
+    "softcap": ("gemma3", lambda d: _edit(d / "config.json", attn_logit_softcapping=50.0),
+                "does not cap scores"),
     "qwen-sliding-window": ("qwen2", lambda d: _edit(d / "config.json", use_sliding_window=True,
                                                     sliding_window=32), "use_sliding_window"),
     "tokenizer": ("smollm2", _unloadable, "cannot be read by the tokenizers library"),

@@ -71,10 +71,9 @@ def test_cached_logits_match_the_full_forward_pass(model):
 
 
 def test_sharded_model_generates_the_same_tokens(greedy):
-    preset = sharding.load_preset("dp_tp")
-    mesh = sharding.make_mesh(preset)
-    sharded = sharding.create_sharded(lambda: build_model(TINY, rngs=nnx.Rngs(0)), preset, mesh)
-    with sharding.use_preset(preset, mesh):
+    layout = sharding.Layout.make("dp_tp")
+    sharded = sharding.create_sharded(lambda: build_model(TINY, rngs=nnx.Rngs(0)), layout)
+    with layout.active():
         tokens = generate_tokens(sharded, PROMPTS, max_new_tokens=24, temperature=0.0)
     assert tokens == greedy
 

@@ -22,7 +22,7 @@ from flax import nnx
 from hf_checkpoints import gpt2_checkpoint, llama_checkpoint, write_hf
 from tokenizers import Tokenizer
 
-from minigpt import hub, sharding
+from minigpt import hub
 from minigpt.hub import safetensors as weights
 from minigpt.runs import RunDir, load_run
 from minigpt.tokenizer import load_tokenizer
@@ -119,7 +119,7 @@ def llama_reference(config, w, ids):
 def minigpt_logits(run: Path, preset_name: str, ids: np.ndarray):
     """The imported run's logits [B, T, V] (padding dropped) under a preset, and the model."""
     loaded = load_run(run, preset_name)
-    with sharding.use_preset(loaded.preset, loaded.mesh):
+    with loaded.layout.active():
         logits = nnx.jit(lambda m, t: m(t))(loaded.model, jnp.asarray(ids))
     return np.asarray(logits)[..., :loaded.config.vocab_size], loaded.model
 

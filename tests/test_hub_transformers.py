@@ -53,7 +53,7 @@ def _theirs(model, ids):
 def _ours(run, ids):
     loaded = load_run(run)
     model, preset, mesh = loaded.model, loaded.preset, loaded.mesh
-    with sharding.use_preset(preset, mesh):
+    with sharding.Layout(preset, mesh).active():
         logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ids))
     return np.asarray(logits)[..., :model.config.vocab_size], (model, preset, mesh)
 
@@ -89,7 +89,7 @@ def test_imports_match_transformers_and_exports_load_back(tmp_path, kind, reques
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                                   min_new_tokens=20, pad_token_id=0)[0, 5:].tolist()
     model_here, preset, mesh = imported
-    with sharding.use_preset(preset, mesh):
+    with sharding.Layout(preset, mesh).active():
         got = generate_tokens(model_here, [prompt], max_new_tokens=20, temperature=0.0,
                               rng=jax.random.key(0))[0]
     assert list(got) == expected

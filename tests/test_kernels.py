@@ -12,7 +12,7 @@ from conftest import random_batch, zoo_config
 from flax import nnx
 
 from minigpt.config import ConfigError
-from minigpt.models import build_model, get_config, kernels
+from minigpt.models import build_model, execution, get_config, kernels
 from minigpt.models.loss import _chunk_len, cross_entropy
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigpt"
@@ -25,8 +25,8 @@ def loss_and_grads(cfg, batch):
 
 
 def test_auto_means_cpu_kernels_on_a_cpu_and_names_are_checked():
-    assert kernels.resolve("auto", "cpu") == "cpu"
-    assert kernels.get("auto") is kernels.get(kernels.resolve("auto"))
+    assert execution.kernel_set("auto", "cpu") == "cpu"
+    assert kernels.get("auto") is kernels.get(execution.kernel_set("auto"))
     assert type(kernels.get("reference")) is kernels.ReferenceKernels
     with pytest.raises(ConfigError, match="model.kernels must be one of"):
         dataclasses.replace(get_config("minigpt-tiny"), kernels="gpu")
@@ -146,7 +146,9 @@ def test_cross_entropy_ignores_vocabulary_padding():
     assert np.all(np.asarray(grads[..., 12:]) == 0)
 
 
-def test_only_the_kernels_module_asks_for_the_backend():
+def test_only_the_execution_module_asks_for_the_backend():
+    """Which backend runs decides what "auto" means, in one place (`models.execution`); the
+    kernels and everything else ask it."""
     asking = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                     if "default_backend" in p.read_text())
-    assert asking == ["models/kernels.py"]
+    assert asking == ["models/execution.py"]

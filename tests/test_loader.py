@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import minigpt.data.loader
+import minigpt.data.corpus
 from minigpt.data.loader import batch_iterator
 from minigpt.data.token_files import DataError
 
@@ -80,20 +80,13 @@ def test_processes_read_their_rows_of_the_same_global_batches(counting):
 
 def test_a_process_gathers_only_its_own_rows(counting, monkeypatch):
     reads = []
+    real_windows = minigpt.data.corpus.TokenStream.windows
 
-    class Spy:  # stands in for the memory-mapped token file and records every gather
-        def __init__(self, tokens):
-            self.tokens = tokens
+    def spy(self, starts, length):  # records every gather from the memory-mapped stream
+        reads.append((len(starts), length))
+        return real_windows(self, starts, length)
 
-        def __len__(self):
-            return len(self.tokens)
-
-        def __getitem__(self, index):
-            reads.append(np.shape(index))
-            return self.tokens[index]
-
-    real_open = minigpt.data.loader.open_split
-    monkeypatch.setattr(minigpt.data.loader, "open_split", lambda *a: Spy(real_open(*a)))
+    monkeypatch.setattr(minigpt.data.corpus.TokenStream, "windows", spy)
     it = batch_iterator(counting, "train", seq_len=16, batch_size=8, seed=0, process_index=3,
                         process_count=4)
     take(it, 3)

@@ -25,8 +25,9 @@ from minigpt.generate import generate_tokens
 from minigpt.hub import peft
 from minigpt.models import build_model, get_config, lora
 from minigpt.models.layers import row_keys
+from minigpt.optim import lr_schedule, steps
+from minigpt.optim import state as adapters
 from minigpt.runs import load_run
-from minigpt.train import adapters, lr_schedule, steps
 from minigpt.train import cli as train_cli
 
 ALL = ("query", "key", "value", "out", "gate", "up", "down")
@@ -138,15 +139,13 @@ def one_step(preset_name: str):
     """Loss, gradient norm and adapters after one LoRA step with dropout (the model's and the
     adapters') under a preset (a pipeline one with 4 microbatches, 1F1B)."""
     if preset_name not in _steps:
-        preset = sharding.load_preset(preset_name)
-        mesh = sharding.make_mesh(preset)
-        model, optimizer = sharding.create_sharded(lambda: adapters.build(DEEP, STEP), preset,
-                                                   mesh)
-        plan = sharding.Pipeline(microbatches=4) if preset.mesh_axes_of("layers") else (
+        layout = sharding.Layout.make(preset_name)
+        model, optimizer = sharding.create_sharded(lambda: adapters.build(DEEP, STEP), layout)
+        plan = sharding.Pipeline(microbatches=4) if layout.preset.mesh_axes_of("layers") else (
             sharding.Pipeline())
-        with sharding.use_preset(preset, mesh, plan):
+        with layout.replace(pipeline=plan).active():
             batch = sharding.put_batch(random_batch(DEEP.vocab_size, 16, 32),
-                                       sharding.batch_sharding(preset, mesh))
+                                       layout.batch_sharding())
             before = base_params(model)
             metrics = steps.train_step(model, optimizer, batch, jax.random.key(7),
                                        lr_schedule.lr_schedule(STEP))
@@ -184,13 +183,12 @@ def test_one_lora_step_is_the_same_under_every_preset(preset_name):
 def test_the_pipeline_differentiates_the_adapters_alone():
     """Under `pp` the pipeline computes the adapters' gradients and none of the frozen weights':
     asked for every parameter's, it gives zeros for those."""
-    preset = sharding.load_preset("pp")
-    mesh = sharding.make_mesh(preset)
-    model, _ = sharding.create_sharded(lambda: adapters.build(DEEP, STEP), preset, mesh)
+    layout = sharding.Layout.make("pp")
+    model, _ = sharding.create_sharded(lambda: adapters.build(DEEP, STEP), layout)
     keys = row_keys(jax.random.key(7), 16)
-    with sharding.use_preset(preset, mesh, sharding.Pipeline(microbatches=4)):
+    with layout.replace(pipeline=sharding.Pipeline(microbatches=4)).active():
         batch = sharding.put_batch(random_batch(DEEP.vocab_size, 16, 32),
-                                   sharding.batch_sharding(preset, mesh))
+                                   layout.batch_sharding())
         grads = nnx.jit(nnx.grad(lambda m, b: m.loss(b, keys)))(model, batch)
     found = {key_names(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)}
     frozen = [k for k in found if lora.ADAPTER not in k]
@@ -326,7 +324,7 @@ def test_a_merged_export_imports_as_the_adapted_model(tuned, adapted, tmp_path):
     # generation from the run (its adapters applied) and from its merged export agree
     told = []
     for run in (adapted, back):
-        with sharding.use_preset(run.preset, run.mesh):
+        with run.layout.active():
             told.append(list(generate_tokens(run.model, [[int(t) for t in IDS[0, :4]]],
                                              max_new_tokens=8, temperature=0.0,
                                              rng=jax.random.key(0))[0]))

@@ -6,8 +6,8 @@ import json
 import pytest
 from conftest import tensorboard_scalars
 
-from minigpt.models import get_config
-from minigpt.train import flops, metrics
+from minigpt.models import flops, get_config
+from minigpt.train import metrics
 
 
 def test_flops_per_token_matches_a_hand_count_for_minigpt():

@@ -18,9 +18,10 @@ from minigpt import explain, generate, sharding, train
 from minigpt.config import TrainConfig
 from minigpt.models import build_model, count_params, get_config, kernels
 from minigpt.models.moe import MoE
+from minigpt.optim import lr_schedule, steps
+from minigpt.optim import optimizer as optim
 from minigpt.parallel import experts
-from minigpt.train import lr_schedule, metrics, steps
-from minigpt.train import optimizer as optim
+from minigpt.train import metrics
 
 TINY = dataclasses.replace(get_config("moe-tiny"), dropout=0.0)
 TRAIN = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3)
@@ -204,21 +205,19 @@ def stepped(preset_name: str, cfg, microbatches: int = 1) -> dict:
     metrics, and the model, optimizer, last batch and context they ran in."""
     key = (preset_name, cfg, microbatches)
     if key not in _runs:
-        preset = sharding.load_preset(preset_name)
-        mesh = sharding.make_mesh(preset)
-        plan = sharding.check_layout(preset, mesh, model="moe", num_layers=cfg.num_layers,
-                                     batch_size=16, num_experts=cfg.num_experts)
-        model, optimizer = sharding.create_sharded(lambda: build(cfg), preset, mesh)
+        layout = sharding.Layout.make(preset_name).checked(
+            model="moe", num_layers=cfg.num_layers, batch_size=16, num_experts=cfg.num_experts)
+        model, optimizer = sharding.create_sharded(lambda: build(cfg), layout)
         found = []
-        with sharding.use_preset(preset, mesh, plan):
+        with layout.active():
             for step in range(3):
                 batch = sharding.put_batch(random_batch(cfg.vocab_size, 16, 32, step),
-                                           sharding.batch_sharding(preset, mesh))
+                                           layout.batch_sharding())
                 found.append(jax.tree.map(np.asarray, steps.train_step(
                     model, optimizer, batch, jax.random.key(0), RATES,
                     microbatches=microbatches)))
         _runs[key] = dict(metrics=found, model=model, optimizer=optimizer, batch=batch,
-                          context=(preset, mesh, plan))
+                          layout=layout)
     return _runs[key]
 
 
@@ -283,7 +282,7 @@ def test_the_expert_axis_moves_tokens_by_all_to_all_and_gathers_experts_only_if_
     spec = tuple(kernel.sharding.spec)  # after a step JAX writes it without trailing Nones
     assert spec + (None,) * (kernel.ndim - len(spec)) == (None, "expert", None, None)
     assert kernel.addressable_shards[0].data.shape == (2, 1, 64, 64)
-    with sharding.use_preset(*run["context"]):
+    with run["layout"].active():
         text = steps.train_step.lower(model, optimizer, run["batch"], jax.random.key(0), RATES,
                                       microbatches=1).compile().as_text()
     lines = text.splitlines()
@@ -317,10 +316,9 @@ def test_dispatch_under_the_expert_axis_equals_dispatch_on_one_device(routing):
 
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
     (_, want), want_grads = grad(x, weights, *params)
-    preset = sharding.load_preset("ep")
-    mesh = sharding.make_mesh(preset)
-    with sharding.use_preset(preset, mesh):
-        split = jax.sharding.NamedSharding(mesh, jax.P("expert"))
+    layout = sharding.Layout.make("ep")
+    with layout.active():
+        split = jax.sharding.NamedSharding(layout.mesh, jax.P("expert"))
         placed = [jax.device_put(a, split) for a in (x, weights, *params)]
         (_, got), got_grads = grad(*placed)
         text = grad.lower(*placed).compile().as_text()
@@ -359,7 +357,7 @@ def test_a_run_resumes_under_another_preset_exactly(config, straight, tmp_path):
     plain = generate.generate_tokens(model, [[464, 3797]], max_new_tokens=6, temperature=0)
     run = minigpt.load_run(tmp_path / "moved", "ep")
     model = run.model
-    with sharding.use_preset(run.preset, run.mesh):
+    with run.layout.active():
         assert generate.generate_tokens(model, [[464, 3797]], max_new_tokens=6,
                                         temperature=0) == plain
 

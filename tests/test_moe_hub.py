@@ -17,7 +17,7 @@ from flax import nnx
 torch = pytest.importorskip("torch", reason="torch is the [hf] extra (a large download)")
 transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
 
-from minigpt import hub, sharding  # noqa: E402
+from minigpt import hub  # noqa: E402
 from minigpt.generate import generate_tokens  # noqa: E402
 from minigpt.hub import convert  # noqa: E402
 from minigpt.hub.tokenizer_export import tokenizer_json_from_encoding  # noqa: E402
@@ -80,7 +80,7 @@ def test_expert_checkpoints_import_exactly_and_export_back(tmp_path, kind, prese
     cfg = run.config
     assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_dim) == (8, 2, 48)
     assert cfg.norm_topk_prob == (kind != "qwen3-moe") and cfg.qk_norm == (kind != "mixtral")
-    with sharding.use_preset(run.preset, run.mesh):
+    with run.layout.active():
         ours = np.asarray(nnx.jit(lambda m, t: m(t))(run.model, jnp.asarray(IDS)))[..., :4096]
         prompt = [int(t) for t in IDS[0, :5]]
         got = generate_tokens(run.model, [prompt], max_new_tokens=20, temperature=0.0,

@@ -13,8 +13,8 @@ from flax import nnx
 from minigpt import sharding, train
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.models import build_model, get_config
-from minigpt.train import lr_schedule, steps
-from minigpt.train import optimizer as optim
+from minigpt.optim import lr_schedule, steps
+from minigpt.optim import optimizer as optim
 
 MUON = TrainConfig(steps=10, warmup_steps=4, batch_size=16, lr=1e-3, optimizer="muon",
                    muon_lr=0.02)
@@ -102,15 +102,12 @@ def _muon_step(model_name: str, preset_name: str):
 
     rates = lr_schedule.lr_schedule(MUON)
     host = random_batch(cfg.vocab_size, 16, 32)
-    preset = sharding.load_preset(preset_name)
-    mesh = sharding.make_mesh(preset)
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    layout = sharding.Layout.make(preset_name)
+    model, optimizer = sharding.create_sharded(build, layout)
     before = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model,
                                                                                    nnx.Param))}
-    pipe = sharding.check_layout(preset, mesh, model=model_name, num_layers=cfg.num_layers,
-                                 pipeline=sharding.Pipeline())
-    with sharding.use_preset(preset, mesh, pipe):
-        batch = sharding.put_batch(host, sharding.batch_sharding(preset, mesh))
+    with layout.checked(model=model_name, num_layers=cfg.num_layers).active():
+        batch = sharding.put_batch(host, layout.batch_sharding())
         metrics = steps.train_step(model, optimizer, batch, jax.random.key(0), rates)
     after = {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model,
                                                                                   nnx.Param))}

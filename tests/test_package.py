@@ -104,7 +104,7 @@ def test_no_module_is_over_four_hundred_lines():
 
 
 def test_the_trainer_tells_the_run_in_about_350_lines():
-    assert len((PACKAGE / "train" / "trainer.py").read_text().splitlines()) <= 375
+    assert len((PACKAGE / "train" / "trainer.py").read_text().splitlines()) <= 350
 
 
 def test_one_door_to_the_kernels_and_no_private_tiktoken_attributes():
@@ -167,12 +167,13 @@ def test_the_public_api_imports_from_the_top():
 
 
 def test_sharding_depends_on_nothing_of_ours_but_the_config_and_files():
-    """The sharding layer reads the config and its preset files; it knows no model, no run."""
+    """The sharding layer reads the config and its preset files (and raises the errors every
+    layer raises); it knows no model, no run."""
     graph = imports_graph()
     package = [m for m in graph if m == "minigpt.sharding" or m.startswith("minigpt.sharding.")]
     for name in set(package) - {"minigpt.sharding.__main__"}:  # the entry point runs explain
         outside = {m for m in graph[name] if not m.startswith("minigpt.sharding")}
-        assert outside <= {"minigpt.config", "minigpt.files"}, name
+        assert outside <= {"minigpt.config", "minigpt.files", "minigpt.errors"}, name
 
 
 def test_no_function_is_over_sixty_lines_without_saying_why():

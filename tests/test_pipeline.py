@@ -19,8 +19,8 @@ from minigpt.config import TrainConfig
 from minigpt.models import build_model, get_config
 from minigpt.models.layers import row_keys
 from minigpt.models.loss import HOISTED_LOGITS
-from minigpt.train import lr_schedule, steps
-from minigpt.train import optimizer as optim
+from minigpt.optim import lr_schedule, steps
+from minigpt.optim import optimizer as optim
 
 PIPELINES = ["pp", "dp_pp", "fsdp_pp", "pp_tp", "dp_pp_tp", "fsdp_pp_tp"]
 SCHEDULES = {"gpipe": dict(schedule="gpipe"), "1f1b": dict(schedule="1f1b"),
@@ -51,14 +51,13 @@ def settings(schedule_name: str, microbatches: int = 4) -> sharding.Pipeline:
 def on(preset_name: str, cfg, plan: sharding.Pipeline | None = None):
     """Model and optimizer born sharded under a preset; with a circular schedule, with their
     layers in its order, as the trainer keeps them."""
-    preset = sharding.load_preset(preset_name)
-    mesh = sharding.make_mesh(preset)
-    model, optimizer = sharding.create_sharded(lambda: build(cfg), preset, mesh)
-    order = circular_order(mesh, cfg, plan)
+    layout = sharding.Layout.make(preset_name)
+    model, optimizer = sharding.create_sharded(lambda: build(cfg), layout)
+    order = circular_order(layout.mesh, cfg, plan)
     if order is not None:
         for obj in (model, optimizer):
             nnx.update(obj, pipeline.reorder_layers(nnx.state(obj), order))
-    return preset, mesh, model, optimizer
+    return layout.preset, layout.mesh, model, optimizer
 
 
 _kept: dict = {}
@@ -89,7 +88,7 @@ def circular_order(mesh, cfg, plan):
 def placed(preset, mesh, vocab: int, seed: int = 0):
     """A random batch of BATCH sequences of 32 tokens, placed as the preset splits batches."""
     return sharding.put_batch(random_batch(vocab, BATCH, 32, seed),
-                              sharding.batch_sharding(preset, mesh))
+                              sharding.Layout(preset, mesh).batch_sharding())
 
 
 def as_host(state) -> dict[str, np.ndarray]:
@@ -112,7 +111,7 @@ def loss_and_grads(preset_name: str, cfg, plan: sharding.Pipeline | None = None)
     if key not in _grads:
         preset, mesh, model, _ = kept_on(preset_name, cfg, plan)
         keys = row_keys(jax.random.key(7), BATCH)
-        with sharding.use_preset(preset, mesh, plan or sharding.Pipeline()):
+        with sharding.Layout(preset, mesh, pipeline=plan or sharding.Pipeline()).active():
             loss, grads = nnx.jit(nnx.value_and_grad(lambda m, b: m.loss(b, keys)))(
                 model, placed(preset, mesh, cfg.vocab_size))
         found = as_host(nnx.state(grads))
@@ -179,7 +178,7 @@ def test_evaluation_runs_the_forwards_alone_and_gives_the_same_loss():
     results = {}
     for name, plan in (("dp", None), ("pp", settings("1f1b", 8))):
         preset, mesh, model, _ = kept_on(name, cfg, plan)
-        with sharding.use_preset(preset, mesh, plan or sharding.Pipeline()):
+        with sharding.Layout(preset, mesh, pipeline=plan or sharding.Pipeline()).active():
             results[name] = float(steps.eval_step(model, placed(preset, mesh, cfg.vocab_size)))
     assert results["pp"] == pytest.approx(results["dp"], rel=1e-6)
 
@@ -194,7 +193,7 @@ def test_three_adamw_steps_agree_with_data_parallel(preset_name, schedule_name):
     params = {}
     for name, plan in (("dp", None), (preset_name, settings(schedule_name))):
         preset, mesh, model, optimizer = on(name, cfg, plan)
-        with sharding.use_preset(preset, mesh, plan or sharding.Pipeline()):
+        with sharding.Layout(preset, mesh, pipeline=plan or sharding.Pipeline()).active():
             for step in range(3):
                 steps.train_step(model, optimizer, placed(preset, mesh, cfg.vocab_size, step),
                                  jax.random.key(0), RATES)
@@ -227,8 +226,8 @@ def step_memory(schedule_name: str, microbatches: int) -> int:
     plan = settings(schedule_name, microbatches)
     preset, mesh, model, optimizer = on("pp_tp", cfg, plan)
     batch = sharding.put_batch(random_batch(cfg.vocab_size, 2 * microbatches, 64),
-                               sharding.batch_sharding(preset, mesh))
-    with sharding.use_preset(preset, mesh, plan):
+                               sharding.Layout(preset, mesh).batch_sharding())
+    with sharding.Layout(preset, mesh, pipeline=plan).active():
         compiled = steps.train_step.lower(model, optimizer, batch, jax.random.key(0),
                                           RATES).compile()
     return compiled.memory_analysis().temp_size_in_bytes
@@ -330,7 +329,7 @@ def test_compiled_step_permutes_both_ways_and_gathers_no_block_weights_across_st
     preset, mesh, model, optimizer = kept_on(preset_name, cfg, plan)  # lowered, never run
     stage_of = {d.id: s for s in range(mesh.shape["stage"])
                 for d in np.take(mesh.devices, [s], axis=mesh.axis_names.index("stage")).flat}
-    with sharding.use_preset(preset, mesh, plan):
+    with sharding.Layout(preset, mesh, pipeline=plan).active():
         text = steps.train_step.lower(model, optimizer, placed(preset, mesh, cfg.vocab_size),
                                       jax.random.key(0), RATES).compile().as_text()
     # Activations go to the next stage and gradients to the one before: both directions.
@@ -411,7 +410,7 @@ def test_a_run_moves_from_a_pipelined_preset_to_an_unpipelined_one(config, strai
     np.testing.assert_allclose(losses(config.out), uninterrupted, rtol=1e-5)
     # Generation under a pipeline preset, from what either layout wrote.
     run = minigpt.load_run(config.out, "pp")
-    with sharding.use_preset(run.preset, run.mesh):
+    with run.layout.active():
         piped = generate.generate_tokens(run.model, [[464, 3797]], max_new_tokens=6, temperature=0)
     plain = minigpt.load_run(config.out, "dp").model
     assert piped == generate.generate_tokens(plain, [[464, 3797]], max_new_tokens=6,

@@ -12,7 +12,7 @@ import pytest
 from conftest import small_vocab
 from flax import nnx
 
-import minigpt.train.adapters as adapters
+import minigpt.optim.state as adapters
 from minigpt import plan, sharding, train
 from minigpt.config import ConfigError, TrainConfig
 from minigpt.models import get_config
@@ -75,9 +75,8 @@ def test_parameter_and_optimizer_bytes_are_what_each_device_holds(name, rank):
     cfg = get_config("llama-tiny")
     train_cfg = TrainConfig(model="llama-tiny", lora_rank=rank, **SMALL)
     estimate = plan.estimate(cfg, train_cfg, name, 8)
-    preset = sharding.load_preset(name)
-    model, optimizer = sharding.create_sharded(lambda: adapters.build(cfg, train_cfg), preset,
-                                               sharding.make_mesh(preset))
+    model, optimizer = sharding.create_sharded(lambda: adapters.build(cfg, train_cfg),
+                                               sharding.Layout.make(name))
     for device in jax.devices():
         assert estimate.memory.parameters == _held_by(nnx.state(model, nnx.Param), device)
         assert estimate.memory.optimizer == _held_by(nnx.state(optimizer), device)

@@ -11,9 +11,9 @@ import minigpt
 from minigpt import generate, train
 from minigpt.config import TrainConfig
 from minigpt.models import get_config
+from minigpt.runs.overrides import load_recipe
 from minigpt.tokenizer import load_tokenizer
 from minigpt.train import cli
-from minigpt.train.recipes import load_recipe
 
 
 def configs(*argv):

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from minigpt.config import ConfigError, TrainConfig
-from minigpt.train import lr_schedule
+from minigpt.optim import lr_schedule
 
 
 def rates_at(cfg: TrainConfig, *steps: int) -> list[float]:

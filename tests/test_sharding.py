@@ -96,7 +96,7 @@ def asked_shardings(preset, mesh, cfg: ModelConfig = TINY) -> dict[str, tuple]:
     output shardings it compiles the initialisation with, from the abstract model alone."""
     abstract = nnx.state(nnx.eval_shape(lambda: build_tiny(cfg)), nnx.Param)
     leaves = jax.tree_util.tree_leaves_with_path(
-        sharding.state_shardings(preset, mesh, abstract),
+        sharding.state_shardings(sharding.Layout(preset, mesh), abstract),
         is_leaf=lambda x: isinstance(x, nnx.Variable))
     return {jax.tree_util.keystr(path): (tuple(var.get_metadata()["out_sharding"]),
                                          var.get_value()) for path, var in leaves}
@@ -118,23 +118,21 @@ def test_every_parameter_is_sharded_as_the_rules_say(name):
     """The layout each preset gives minigpt-tiny, read without compiling anything; that the
     arrays are born so is checked under `fsdp` and `fsdp_tp` below (and `pp`, `pp_tp`:
     tests/test_pipeline.py, `ep`: tests/test_moe.py)."""
-    preset = sharding.load_preset(name)
-    mesh = sharding.make_mesh(preset)
-    assert mesh.size == 8
+    layout = sharding.Layout.make(name)
+    assert layout.mesh.size == 8
     cfg = get_config("minigpt-tiny8") if EXPECTED_SPECS[name][1] else TINY  # layers to split
-    sharding.check_divisible(preset, mesh, nnx.state(nnx.eval_shape(lambda: build_tiny(cfg))))
-    asked = asked_shardings(preset, mesh, cfg)
+    sharding.check_divisible(layout, nnx.state(nnx.eval_shape(lambda: build_tiny(cfg))))
+    asked = asked_shardings(layout.preset, layout.mesh, cfg)
     assert len(asked) > 10
     for path, (axes, placed) in asked.items():
-        assert placed.mesh.shape == mesh.shape, path
+        assert placed.mesh.shape == layout.mesh.shape, path
         assert normalised(placed.spec) == expected(name, axes), path
 
 
 def test_fsdp_splits_every_parameter_eight_ways():
-    preset = sharding.load_preset("fsdp")
-    mesh = sharding.make_mesh(preset)
-    model = sharding.create_sharded(build_tiny, preset, mesh)
-    assert_born_as_asked(model, preset, mesh)
+    layout = sharding.Layout.make("fsdp")
+    model = sharding.create_sharded(build_tiny, layout)
+    assert_born_as_asked(model, layout.preset, layout.mesh)
     for var in jax.tree.leaves(nnx.state(model, nnx.Param)):
         assert any(size % 8 == 0 for size in var.shape)
         shard = var.addressable_shards[0].data
@@ -146,10 +144,9 @@ def test_a_run_loads_into_shapes_that_carry_their_shardings():
     """`load_run` restores a checkpoint into `abstract_sharded`'s shapes: nothing is initialised
     or compiled first, and each array is read into the shards `create_sharded` would give it
     (that the loaded model computes what was saved: tests/test_generate.py, test_runs.py)."""
-    preset = sharding.load_preset("fsdp_tp")
-    mesh = sharding.make_mesh(preset)
-    model = sharding.abstract_sharded(build_tiny, preset, mesh)
-    asked = asked_shardings(preset, mesh)
+    layout = sharding.Layout.make("fsdp_tp")
+    model = sharding.abstract_sharded(build_tiny, layout)
+    asked = asked_shardings(layout.preset, layout.mesh)
     placed = {jax.tree_util.keystr(path): var.get_value() for path, var in
               jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param),
                                                   is_leaf=lambda x: isinstance(x, nnx.Variable))}
@@ -161,7 +158,7 @@ def test_a_run_loads_into_shapes_that_carry_their_shardings():
 
 def test_optimizer_state_is_born_with_its_parameter_sharding():
     from minigpt.config import TrainConfig
-    from minigpt.train.optimizer import make_optimizer
+    from minigpt.optim.optimizer import make_optimizer
 
     preset = sharding.load_preset("fsdp_tp")
 
@@ -170,7 +167,7 @@ def test_optimizer_state_is_born_with_its_parameter_sharding():
         return model, nnx.Optimizer(model, make_optimizer(TrainConfig()), wrt=nnx.Param)
 
     mesh = sharding.make_mesh(preset)
-    model, optimizer = sharding.create_sharded(build, preset, mesh)
+    model, optimizer = sharding.create_sharded(build, sharding.Layout(preset, mesh))
     assert_born_as_asked(model, preset, mesh)
     kernel = model.blocks.layers.mlp.up.kernel.get_value()
     adam = optimizer.opt_state[1][0]
@@ -193,9 +190,10 @@ def test_batch_sharding_follows_the_batch_rule():
     for name, expected in [("dp", "data"), ("fsdp", "fsdp"), ("tp", None), ("dp_tp", "data")]:
         preset = sharding.load_preset(name)
         mesh = sharding.make_mesh(preset)
-        assert normalised(sharding.batch_sharding(preset, mesh).spec) == normalised((expected,))
+        spec = sharding.Layout(preset, mesh).batch_sharding().spec
+        assert normalised(spec) == normalised((expected,))
     preset = sharding.load_preset("dp_tp")
-    assert sharding.batch_divisor(preset, sharding.make_mesh(preset)) == 4
+    assert sharding.Layout.make(preset).batch_divisor == 4
 
 
 # Refusals ---------------------------------------------------------------------------------------
@@ -254,7 +252,7 @@ def test_a_dimension_its_mesh_axes_do_not_divide_leaves_them_to_the_next():
     cfg = ModelConfig(context_len=32, embed_dim=96, num_heads=12, mlp_dim=36, num_layers=1,
                       arch="gpt2")
     preset = sharding.load_preset("fsdp")
-    model = sharding.create_sharded(lambda: build_tiny(cfg), preset, sharding.make_mesh(preset))
+    model = sharding.create_sharded(lambda: build_tiny(cfg), sharding.Layout.make(preset))
     layer = model.blocks.layers
     specs = {name: normalised(var.get_value().sharding.spec) for name, var in [
         ("up", layer.mlp.up.kernel), ("up_bias", layer.mlp.up.bias),
@@ -301,9 +299,8 @@ def test_explainer_refuses_a_bad_preset_with_one_line(capsys):
 def test_dp_holds_eight_times_the_fsdp_bytes_per_device():
     sizes = {}
     for name in ("dp", "fsdp"):
-        preset = sharding.load_preset(name)
-        mesh = sharding.make_mesh(preset)
-        rows = sharding.describe(preset, mesh, nnx.state(nnx.eval_shape(build_tiny), nnx.Param))
+        layout = sharding.Layout.make(name)
+        rows = sharding.describe(layout, nnx.state(nnx.eval_shape(build_tiny), nnx.Param))
         sizes[name] = sum(r["bytes_per_device"] for r in rows)
     assert sizes["dp"] == 8 * sizes["fsdp"]
     assert math.isclose(sizes["dp"], sum(

@@ -22,7 +22,8 @@ from conftest import losses, small_vocab, tensorboard_scalars
 import minigpt
 from minigpt import generate, train
 from minigpt.config import TrainConfig
-from minigpt.train import lr_schedule, metrics, steps
+from minigpt.optim import lr_schedule, steps
+from minigpt.train import metrics
 
 MODEL = small_vocab("minigpt-tiny")
 
@@ -110,6 +111,25 @@ def test_resume_continues_exactly(finished, config):
     summary = train.train(MODEL, dataclasses.replace(half, steps=6), resume=True, sample=False)
     assert summary["step"] == 6
     assert losses(config.out) == losses(finished[0].out)  # bitwise: same preset
+
+
+# The presets whose steps run other code than fsdp's: a pipeline's schedule (its microbatches
+# and stages), the ring of context parallelism, experts dispatched by all-to-all. A run resumed
+# under the same preset gives the uninterrupted run's losses bit for bit under each too.
+BITWISE = [("dp_pp", "minigpt-tiny"), ("cp", "minigpt-tiny"), ("ep", "moe-tiny")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, model", BITWISE, ids=[p for p, _ in BITWISE])
+def test_resume_continues_exactly_under_the_pipeline_context_and_expert_presets(
+        preset, model, data_4k, tmp_path, straight):
+    cfg = small_vocab(model, dropout=0.1)
+    run = dataclasses.replace(short_run(data_4k, tmp_path / "run"), preset=preset, model=model,
+                              batch_size=16)
+    uninterrupted = straight(cfg, run)
+    train.train(cfg, dataclasses.replace(run, steps=3), sample=False)
+    train.train(cfg, dataclasses.replace(run, steps=6), resume=True, sample=False)
+    assert losses(run.out) == uninterrupted  # bitwise
 
 
 @pytest.mark.slow  # tests/test_checkpoint.py restores a checkpoint into another preset's layout
@@ -230,7 +250,7 @@ def test_every_architecture_trains_resumes_and_tells_stories(config, tmp_path, n
     assert step == 4 and restored.config == model
     from minigpt import sharding
 
-    with sharding.use_preset(preset, mesh):
+    with sharding.Layout(preset, mesh).active():
         story = generate.generate(restored, tokenizer, ["Once upon a time"], max_new_tokens=5,
                                   temperature=0.0)[0]
     assert story.startswith("Once upon a time") and len(story) > len("Once upon a time")

@@ -288,7 +288,6 @@ def test_a_tied_config_with_a_different_head_gives_transformers_logits(tmp_path)
     torch = pytest.importorskip("torch", reason="torch is the [hf] extra")
     transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
     from minigpt.runs import load_run
-    from minigpt.sharding import use_preset
 
     hf = checkpoint(tmp_path / "hf", config={"tie_word_embeddings": True})
     assert hub.main(["import", str(hf), "--out", str(tmp_path / "run")]) == 0
@@ -297,7 +296,7 @@ def test_a_tied_config_with_a_different_head_gives_transformers_logits(tmp_path)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(hf)(
             torch.tensor(ids)).logits.numpy()
     loaded = load_run(tmp_path / "run")
-    with use_preset(loaded.preset, loaded.mesh):
+    with loaded.layout.active():
         ours = np.asarray(loaded.model(ids.astype(np.int32)))[..., :V]
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 

@@ -149,10 +149,10 @@ def test_scanned_and_unrolled_layers_share_parameters_and_compute_the_same(name)
 def test_scanned_model_shards_under_a_preset():
     cfg = small_vocab("llama-tiny", scan_layers=True)
     preset = sharding.load_preset("fsdp_tp")
-    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), preset,
-                                    sharding.make_mesh(preset))
+    layout = sharding.Layout.make(preset)
+    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), layout)
     kernel = model.blocks.layers.mlp.gate.kernel.get_value()  # [L, D, F]
     assert kernel.sharding.spec == jax.P(None, "fsdp", "model")
-    with sharding.use_preset(preset, sharding.make_mesh(preset)):
+    with layout.active():
         tokens = generate_tokens(model, PROMPTS[:1], max_new_tokens=4, temperature=0.0)
     assert len(tokens[0]) == 4

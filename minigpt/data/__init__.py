@@ -7,6 +7,10 @@ verified), `stories` (how a text file splits into stories), `prepare` (stories t
 window's documents lie), `loader` (Grain batches for training), `vocabulary` (training a new BPE
 vocabulary on stories) and `cli` (`python -m minigpt.data`).
 
+`prepare_source` (`prepare --source`: any corpus, on every core, into shards: `prepare_source`,
+with `readers`, `encoding` and `shards`) and `corpus` (a prepared folder of either layout,
+opened for reading) sit beside them.
+
 `resolve_data("tinystories")` downloads and tokenizes the dataset on first use and returns its
 directory; local text files and conversations are prepared the same way; a directory already
 holding meta.json is used as it is.
@@ -14,17 +18,29 @@ holding meta.json is used as it is.
 
 from __future__ import annotations
 
-from minigpt.data import download, prepare
-from minigpt.data.cli import main
-from minigpt.data.sources import (
-    DATASETS,
-    check_tokenizer,
-    prepare_in_job,
-    prepare_text,
-    prepare_tinystories,
-    resolve_data,
-)
-from minigpt.data.token_files import DataError, load_meta
+import importlib
 
-__all__ = ["DATASETS", "DataError", "check_tokenizer", "download", "load_meta", "main",
-           "prepare", "prepare_in_job", "prepare_text", "prepare_tinystories", "resolve_data"]
+# Public name -> the module that defines it. Loaded when first used, so that a worker process
+# tokenizing a corpus (`minigpt.data.encoding`) imports neither the command line nor JAX.
+_PUBLIC = {
+    "download": None, "prepare": None,
+    "main": "minigpt.data.cli",
+    "DATASETS": "minigpt.data.sources", "check_tokenizer": "minigpt.data.sources",
+    "prepare_in_job": "minigpt.data.sources", "prepare_text": "minigpt.data.sources",
+    "prepare_tinystories": "minigpt.data.sources", "resolve_data": "minigpt.data.sources",
+    "DataError": "minigpt.data.token_files", "load_meta": "minigpt.data.token_files",
+    "prepare_source": "minigpt.data.prepare_source", "open_corpus": "minigpt.data.corpus",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'minigpt.data' has no attribute {name!r}")
+    module = importlib.import_module(_PUBLIC[name] or f"minigpt.data.{name}")
+    return module if _PUBLIC[name] is None else getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

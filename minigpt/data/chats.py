@@ -5,7 +5,9 @@ object per line, `{"messages": [{"role": "system" | "user" | "assistant", "conte
 ...]}` (the format of TRL and of most chat datasets on the Hub; also a folder of such files).
 Each conversation is rendered with the run's own chat template (`minigpt.chat_template`: the
 sandbox `--chat` renders in) and tokenized with its own tokenizer, exactly as transformers'
-`apply_chat_template(..., tokenize=True)` does. The loss is on the assistant's tokens alone:
+`apply_chat_template(..., tokenize=True)` does. A folder may hold `.jsonl` files and `.json`
+files, each of the latter one conversation (`{"messages": [...]}`) or a list of them. The loss
+is on the assistant's tokens alone:
 each reply and the end-of-turn tokens that close it. A template that marks replies with
 `{% generation %}` says where they are; for one that does not, each reply is what rendering the
 conversation up to it adds to rendering the conversation before it with the generation prompt
@@ -44,17 +46,39 @@ FORMAT = "minigpt-chats-1"
 # Every VAL_EVERY-th conversation is held out for evaluation (with at least VAL_EVERY of them).
 VAL_EVERY = 10
 
+# The files that hold conversations: one per line (.jsonl), or one (or a list) per file (.json).
+SUFFIXES = (".jsonl", ".json")
+
+
+def _names_chats(item: str) -> bool:
+    """A file of conversations, or a folder of them (not a prepared data folder, whose
+    meta.json is no conversation)."""
+    path = Path(item)
+    if path.is_dir():
+        return not (path / "meta.json").exists() and any(
+            p.suffix in SUFFIXES for p in path.iterdir())
+    return path.suffix in SUFFIXES
+
+
 def is_chats(data: Sequence[str]) -> bool:
-    """Whether training data names conversations: .jsonl files, or folders of them."""
-    return bool(data) and all(str(d).endswith(".jsonl") or (
-        Path(d).is_dir() and any(Path(d).glob("*.jsonl"))) for d in data)
+    """Whether training data names conversations: .jsonl or .json files, or folders of them.
+    Conversations and plain text in one run are refused (DataError): the chats' JSON would be
+    trained as if it were text."""
+    chats = [d for d in data if _names_chats(d)]
+    if chats and len(chats) < len(data):
+        text = [d for d in data if d not in chats]
+        raise DataError(f"--data mixes conversations ({', '.join(chats[:2])}) with text "
+                        f"({', '.join(text[:2])}): a run trains on one kind; train on the "
+                        f"text first, then --init-from that run on the conversations")
+    return bool(chats)
 
 
 def chat_files(data: Sequence[str]) -> list[Path]:
-    """The .jsonl files `data` names (a folder: its .jsonl files, in name order)."""
+    """The files `data` names (a folder: its .jsonl and .json files, in name order)."""
     files = []
     for item in map(Path, data):
-        found = sorted(item.glob("*.jsonl")) if item.is_dir() else [item]
+        found = sorted(p for p in item.iterdir() if p.suffix in SUFFIXES) if item.is_dir() \
+            else [item]
         missing = [str(f) for f in found if not f.is_file()]
         if missing:
             raise DataError(f"no such file: {', '.join(missing)}")
@@ -72,21 +96,35 @@ class Conversation:
     where: str
 
 
-def read_conversations(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
-    """Each line's messages, checked, as (where: "FILE, line N", messages)."""
-    conversations = []
+def _records(path: Path) -> list[tuple[str, Any]]:
+    """(where, the JSON value) of each conversation a file holds: each line of a .jsonl file,
+    or a .json file's one object (or each item of its list)."""
     try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
+        text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
         raise DataError(f"{path} is not UTF-8 text (byte {error.start})") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{where}: not JSON ({error.msg})") from None
+    if path.suffix == ".json":
+        record = _parsed(text, str(path))
+        if isinstance(record, list):
+            return [(f"{path}, item {i}", r) for i, r in enumerate(record)]
+        return [(str(path), record)]
+    return [(f"{path}, line {number}", _parsed(line, f"{path}, line {number}"))
+            for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _parsed(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{where}: not JSON ({error.msg})") from None
+    except RecursionError:  # a line of thousands of nested brackets
+        raise DataError(f"{where}: JSON nested too deeply to be a conversation") from None
+
+
+def read_conversations(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
+    """Each conversation's messages, checked, as (where: "FILE, line N", messages)."""
+    conversations = []
+    for where, record in _records(path):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise DataError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, '
@@ -214,6 +252,11 @@ def prepare_chats(files: Sequence[str | Path], root: str | Path, tokenizer, toke
     splits = {"train": pack(train, seq_len, truncate=truncate),
               # Too few conversations to hold any out: evaluation reads the training ones.
               "val": pack(held or train, seq_len, truncate=truncate)}
+    if not splits["train"]["loss_mask"].any():  # a run would train on nothing, loss 0
+        raise DataError(f"the conversations of {', '.join(map(str, paths[:2]))} leave no reply "
+                        f"token to train on (the chat template renders none, or data.truncate "
+                        f"cut every reply): check what trains with python -m minigpt.data sft, "
+                        f"or give a longer --seq-len")
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
     for split, arrays in splits.items():

@@ -1,9 +1,12 @@
-"""`python -m minigpt.data`: prepare a dataset, train a vocabulary, or show what chat
-fine-tuning trains on.
+"""`python -m minigpt.data`: prepare a dataset or any corpus, look inside a prepared folder,
+train a vocabulary, or show what chat fine-tuning trains on.
 
     python -m minigpt.data prepare --dataset tinystories [--version v1|v2] [--out data/]
     python -m minigpt.data prepare --text FILE... [--val-fraction 0.1] [--out data/]
-    (either with --tokenizer gpt2|tinystories-4k|FILE.tiktoken; default gpt2)
+    python -m minigpt.data prepare --source PATH|GLOB|hf:NAME[:CONFIG][@REVISION] --out DIR
+        [--text-field text] [--shard-tokens N] [--workers N] [--val-fraction 0.1]
+    (each with --tokenizer gpt2|tinystories-4k|FILE.tiktoken|FOLDER; default gpt2)
+    python -m minigpt.data inspect DIR [--json] [--doc N]
     python -m minigpt.data tokenizer --vocab-size N --text FILE... --out FILE.tiktoken
     python -m minigpt.data sft --run RUN --data chats.jsonl [--show N] [--json]
 """
@@ -12,18 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import minigpt.data.chats as chats
 from minigpt import chat_template
+from minigpt.data.corpus import describe, open_corpus
+from minigpt.data.prepare_source import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, prepare_source
 from minigpt.data.sources import prepare_text, prepare_tinystories
 from minigpt.data.token_files import DataError, load_meta
 from minigpt.data.vocabulary import train_tokenizer
-from minigpt.runs import RunDir, RunError
+from minigpt.errors import exit_code
 from minigpt.runtime import plain_warnings
-from minigpt.tokenizer import DEFAULT_TOKENIZER, TokenizerError, load_tokenizer
+from minigpt.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,13 +41,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--dataset", choices=["tinystories"], help="an official dataset")
     source.add_argument("--text", nargs="+", metavar="FILE",
                         help="local text: stories separated by <|endoftext|> lines or blank lines")
+    source.add_argument("--source", metavar="PATH|GLOB|hf:NAME",
+                        help="any corpus, into shards: .jsonl, .parquet or text files, a folder "
+                             "or glob of them, or a Hugging Face dataset (hf:NAME[:CONFIG]"
+                             "[@REVISION], needs .[datasets]); needs --out DIR")
     prep.add_argument("--version", choices=["v1", "v2"], default="v1",
                       help="TinyStories v1 (GPT-3.5 + GPT-4) or v2 (GPT-4 only)")
     prep.add_argument("--val-fraction", type=float, default=None,
-                      help="share of local-text stories held out for validation (default 0.1)")
+                      help="share of the documents held out for validation (default 0.1): "
+                           "--text holds out every 10th, --source those whose text hashes low")
+    prep.add_argument("--text-field", default="text",
+                      help="--source: the JSON field or parquet column holding the text")
+    prep.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                      help=f"--source: tokens a shard (default {DEFAULT_SHARD_TOKENS:,})")
+    prep.add_argument("--workers", type=int, default=None,
+                      help="--source: processes tokenizing (default: every core)")
     prep.add_argument("--tokenizer", default=DEFAULT_TOKENIZER,
                       help="gpt2 (default), tinystories-4k, or a .tiktoken ranks file")
-    prep.add_argument("--out", default="data", help="root directory (default: data)")
+    prep.add_argument("--out", default=None,
+                      help="root directory (default: data); with --source, the corpus's folder")
+    look = commands.add_parser("inspect", help="what a prepared folder holds: tokenizer, "
+                                               "counts, shards, a document's ids")
+    look.add_argument("folder", metavar="DIR")
+    look.add_argument("--json", action="store_true", help="print it as one JSON object")
+    look.add_argument("--doc", type=int, metavar="N",
+                      help="add document N (from 0, in source order): its split and ids")
     bpe = commands.add_parser("tokenizer", help="train a BPE vocabulary on stories "
                                                 "(needs the optional trainer: .[bpe])")
     bpe.add_argument("--vocab-size", type=int, required=True,
@@ -62,28 +86,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "prepare" and args.dataset and args.val_fraction is not None:
         parser.error("--val-fraction applies to --text; TinyStories has a validation file")
+    if args.command == "prepare" and args.source and args.out is None:
+        parser.error("--source needs --out DIR: the folder its shards are written to")
     try:
         with plain_warnings():
-            if args.command == "tokenizer":
-                return _train_command(args)
-            if args.command == "sft":
-                return _sft_command(args)
-            load_tokenizer(args.tokenizer)  # a bad name fails before any download
-            if args.dataset:
-                out = prepare_tinystories(args.out, args.version, tokenizer=args.tokenizer)
-            else:
-                out = prepare_text(args.text, args.out, val_fraction=args.val_fraction,
-                                   tokenizer=args.tokenizer)
-            meta = load_meta(out)
-    except (DataError, TokenizerError, RunError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+            return exit_code(lambda: _command(args))
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.command == "tokenizer":
+        return _train_command(args)
+    if args.command == "sft":
+        return _sft_command(args)
+    if args.command == "inspect":
+        return _inspect_command(args)
+    load_tokenizer(args.tokenizer)  # a bad name fails before any download
+    if args.source:
+        return _source_command(args)
+    if args.dataset:
+        out = prepare_tinystories(args.out or "data", args.version, tokenizer=args.tokenizer)
+    else:
+        out = prepare_text(args.text, args.out or "data", val_fraction=args.val_fraction,
+                           tokenizer=args.tokenizer)
+    meta = load_meta(out)
     print(f"{out}: train {meta['train_tokens']:,} tokens ({meta['train_stories']:,} stories), "
           f"val {meta['val_tokens']:,} tokens ({meta['val_stories']:,} stories), "
           f"tokenizer {meta['tokenizer']}")
+    return 0
+
+
+def _source_command(args: argparse.Namespace) -> int:
+    meta = prepare_source(args.source, args.out, tokenizer=args.tokenizer,
+                          text_field=args.text_field, shard_tokens=args.shard_tokens,
+                          val_fraction=(DEFAULT_VAL_FRACTION if args.val_fraction is None
+                                        else args.val_fraction), workers=args.workers)
+    shards = {s: len(meta["splits"][s]["shards"]) for s in ("train", "val")}
+    print(f"{args.out}: train {meta['train_tokens']:,} tokens ({meta['train_documents']:,} "
+          f"documents, {shards['train']} shards), val {meta['val_tokens']:,} tokens "
+          f"({meta['val_documents']:,} documents, {shards['val']} shards), tokenizer "
+          f"{meta['tokenizer']}")
+    return 0
+
+
+def _inspect_command(args: argparse.Namespace) -> int:
+    corpus = open_corpus(args.folder)
+    found = describe(corpus)
+    if args.doc is not None:
+        found["doc"] = corpus.document(args.doc)
+    if args.json:
+        print(json.dumps(found))
+        return 0
+    print(f"{found['path']}: {found['tokens']:,} tokens, {found['documents']:,} documents, "
+          f"tokenizer {found['tokenizer']} ({found['dtype']}), {found['layout']}")
+    for split, counts in found["splits"].items():
+        files = sum(s["split"] == split for s in found["shards"])
+        print(f"  {split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, "
+              f"{files} file{'s' * (files != 1)}")
+    if args.doc is not None:
+        doc = found["doc"]
+        print(f"document {doc['number']} ({doc['split']}, {doc['tokens']} tokens): {doc['ids']}")
     return 0
 
 
@@ -102,19 +166,28 @@ def _train_command(args: argparse.Namespace) -> int:
 
 def _sft_command(args: argparse.Namespace) -> int:
     """Render, tokenize and mask the conversations as `--init-from RUN --data ...` would."""
+    from minigpt.runs import RunDir  # here: the data commands need neither JAX nor the models
+
     saved = RunDir(args.run).read()
     tokenizer, defaulted = chat_template.with_template(load_tokenizer(saved.model.tokenizer),
                                                saved.record.get("chat_template"))
     max_chars = saved.model.context_len * chat_template.CHARS_PER_TOKEN
-    shown = 0
-    for path in chats.chat_files(args.data):
-        for where, messages in chats.read_conversations(path):
-            conversation = chats.encode(tokenizer, messages, where, max_chars)
-            if args.json:
-                print(json.dumps({"ids": conversation.ids, "loss_mask": conversation.mask}))
-            elif shown < args.show:
-                print(_marked(tokenizer, conversation))
-                shown += 1
+    files, shown = chats.chat_files(args.data), 0
+    if not files:
+        raise DataError(f"{', '.join(args.data)} holds no conversations (.jsonl or .json files)")
+    try:
+        for path in files:
+            for where, messages in chats.read_conversations(path):
+                conversation = chats.encode(tokenizer, messages, where, max_chars)
+                if args.json:
+                    print(json.dumps({"ids": conversation.ids, "loss_mask": conversation.mask}))
+                elif shown < args.show:
+                    print(_marked(tokenizer, conversation))
+                    shown += 1
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has what it wanted; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     if defaulted:  # said last, so that a refusal is the one line printed
         print("note: the run's vocabulary has no chat template: rendered as ChatML, its end "
               "token closing each turn, as training would", file=sys.stderr)

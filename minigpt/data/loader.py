@@ -1,17 +1,22 @@
-"""Batches for training: a Grain pipeline of packed windows over a prepared split.
+"""Batches for training: a Grain pipeline of packed windows over a prepared split, one path for
+every prepared folder (shards, the one-file layout, packed conversations).
 
-`batch_iterator` reads a split as one stream of tokens, documents joined by `<|endoftext|>`, cut
-into windows of `seq_len + 1` tokens that overlap by one (inputs are a window's first `seq_len`
-tokens, targets its last), so nothing is padded and no token is wasted. Windows are shuffled with
-a seed (a new order each epoch), and each JAX process reads only its own rows of every global
-batch. The iterator's state is one batch index, so a checkpoint restores it exactly and batches do
-not depend on how many processes read them. The pipeline yields host NumPy arrays and knows
-nothing about devices: placing a batch on the mesh is the trainer's job.
+`batch_iterator` reads a split as one stream of tokens (`minigpt.data.corpus`: memory-mapped,
+never read whole), documents joined by their end token, cut into windows of `seq_len + 1` tokens
+that overlap by one (inputs are a window's first `seq_len` tokens, targets its last), so nothing
+is padded and no token is wasted. The windows are a random-access source (`Windows`: Grain's
+`RandomAccessDataSource` protocol) read in a seeded order, a new one each epoch
+(`minigpt.data.order`): for a sharded corpus a keyed shuffle that needs no table, for a folder
+prepared before shards the permutation its runs were trained with. Each JAX process reads only
+its own rows of every global batch, so the processes' windows are disjoint and together cover
+each epoch. The iterator's state is one batch index, so a checkpoint restores it exactly, in
+the middle of an epoch or a shard, and batches do not depend on how many processes read them.
+The pipeline yields host NumPy arrays and knows nothing about devices: placing a batch on the
+mesh is the trainer's job.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -19,54 +24,54 @@ import grain
 import numpy as np
 
 from minigpt.data.chats import load_rows
+from minigpt.data.corpus import TokenStream, open_corpus
 from minigpt.data.documents import positions_in_documents, window_documents
-from minigpt.data.token_files import DataError, load_meta, open_split
+from minigpt.data.order import IndexShuffle, Permutation, epoch_orders
+from minigpt.data.token_files import DataError, load_meta
 
 
 class _ReadRows:
     """Global batch k -> this process's rows of it, as one gather: windows of a token stream
-    (`stream_windows`) or prepared rows (`stored_rows`), by index.
-
-    The window order of epoch e is a permutation seeded by (seed, e), computed with NumPy once
-    per epoch. Grain's own per-index shuffle gives the same guarantees but costs 5-15 us of
-    Python per window, a hundred times the cost of reading the window.
-    """
+    (`Windows`) or prepared rows (`stored_rows`), by index, in the epoch's `order`."""
 
     def __init__(self, gather, num_windows: int, *, batch_size: int, rows: int, first_row: int,
-                 seed: int, shuffle: bool):
-        self.gather, self.num_windows, self.seed, self.shuffle = gather, num_windows, seed, shuffle
+                 seed: int, shuffle: bool, order: type = IndexShuffle):
+        self.gather, self.num_windows, self.shuffle = gather, num_windows, shuffle
         self.batch_size, self.rows, self.first_row = batch_size, rows, first_row
-        # A batch touches at most two epochs; keep both permutations, not one per epoch seen.
-        self._order = functools.lru_cache(maxsize=2)(self._permutation)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        self._order = epoch_orders(order, num_windows, seed)
 
     def __call__(self, k: int) -> dict[str, np.ndarray]:
         first = k * self.batch_size + self.first_row
         epoch, windows = np.divmod(np.arange(first, first + self.rows), self.num_windows)
         if self.shuffle:
             for e in np.unique(epoch):
-                windows[epoch == e] = self._order(int(e))[windows[epoch == e]]
+                windows[epoch == e] = self._order(int(e))(windows[epoch == e])
         return self.gather(windows)
 
 
-def stream_windows(tokens: np.ndarray, seq_len: int,
-                   documents: tuple[int, int | None] | None):
-    """Window i of a token stream is tokens[i*seq_len : i*seq_len + seq_len + 1]: a function
-    gathering windows into {"inputs", "targets"} [b, T] (and with `documents`, the begin and
-    end tokens, where each window's documents lie: `minigpt.data.documents`)."""
-    span = np.arange(seq_len + 1)
+class Windows:
+    """Window i of a token stream is tokens[i*seq_len : i*seq_len + seq_len + 1], as
+    {"inputs", "targets"} [T] (and with `documents`, the begin and end tokens, where the
+    window's documents lie: `minigpt.data.documents`). A random-access source in Grain's sense
+    (`len`, `[i]`); `gather` reads many windows at once into [b, T] arrays."""
 
-    def gather(windows: np.ndarray) -> dict[str, np.ndarray]:
-        chunk = tokens[(windows * seq_len)[:, None] + span].astype(np.int32)  # [b, T+1]
+    def __init__(self, tokens: TokenStream, seq_len: int,
+                 documents: tuple[int, int | None] | None):
+        self.tokens, self.seq_len, self.documents = tokens, seq_len, documents
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {name: row[0] for name, row in self.gather(np.array([i])).items()}
+
+    def gather(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+        chunk = self.tokens.windows(windows * self.seq_len, self.seq_len + 1)  # [b, T+1]
         batch = {"inputs": np.ascontiguousarray(chunk[:, :-1]),   # [b, T]
                  "targets": np.ascontiguousarray(chunk[:, 1:])}   # [b, T]
-        if documents is not None:
-            batch.update(window_documents(chunk, *documents))
+        if self.documents is not None:
+            batch.update(window_documents(chunk, *self.documents))
         return batch
-
-    return gather
 
 
 def stored_rows(arrays: dict[str, np.ndarray]):
@@ -102,6 +107,7 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
         raise DataError(f"seed must be non-negative, got {seed}")
     if num_epochs is not None and num_epochs < 1:
         raise DataError(f"num_epochs must be positive or None (forever), got {num_epochs}")
+    order = Permutation  # conversations and folders prepared before shards keep their order
     if load_meta(data_dir).get("kind") == "chats":  # whole windows of conversations
         arrays = load_rows(data_dir, split)
         num_windows = len(arrays["inputs"])
@@ -110,18 +116,20 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
                             f"not {seq_len}")
         gather = stored_rows(arrays)
     else:
-        tokens = open_split(data_dir, split)
-        num_windows = (len(tokens) - 1) // seq_len
+        corpus = open_corpus(data_dir)
+        order = IndexShuffle if corpus.sharded else order
+        windows = Windows(corpus.stream(split), seq_len, documents)
+        num_windows = len(windows)
         if num_windows < batch_size:
             raise DataError(
-                f"the {split} split of {data_dir} has {len(tokens):,} tokens, fewer than one "
-                f"batch of {batch_size} windows of {seq_len} + 1 tokens needs "
+                f"the {split} split of {data_dir} has {len(windows.tokens):,} tokens, fewer "
+                f"than one batch of {batch_size} windows of {seq_len} + 1 tokens needs "
                 f"({batch_size * seq_len + 1:,}): use a smaller batch size or sequence "
                 f"length, or more text")
-        gather = stream_windows(tokens, seq_len, documents)
+        gather = windows.gather
     rows = batch_size // process_count
     read = _ReadRows(gather, num_windows, batch_size=batch_size, rows=rows,
-                     first_row=process_index * rows, seed=seed, shuffle=shuffle)
+                     first_row=process_index * rows, seed=seed, shuffle=shuffle, order=order)
     num_batches = (sys.maxsize if num_epochs is None else num_epochs * num_windows) // batch_size
     batches = grain.MapDataset.range(num_batches).map(read)
     # Batches are cheap to gather from the page cache; a small prefetch overlaps them with the

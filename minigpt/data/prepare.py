@@ -162,7 +162,7 @@ def _tokenize(files: list[StoryFile], splits_of: list[str], splits: dict[str, _T
     return sources
 
 
-def _separating_tokenizer(name: str):
+def separating_tokenizer(name: str):
     """The tokenizer `name`, which must have an end or a begin token to mark documents apart."""
     enc = load_tokenizer(name)
     if enc.eot_token is None and enc.bos_token is None:
@@ -194,7 +194,7 @@ def prepare(out_dir: str | Path, train_files: Sequence[str | Path], *,
     if is_current(out_dir, settings, inputs):
         return load_meta(out_dir)
 
-    enc = _separating_tokenizer(tokenizer)
+    enc = separating_tokenizer(tokenizer)
     dtype = np.dtype(np.uint16 if enc.n_vocab <= 1 << 16 else np.uint32)
     files = [StoryFile(path, complete=complete) for path, _ in inputs]  # fails fast on bad files
     fraction = Fraction(val_fraction).limit_denominator(10_000)

@@ -17,6 +17,8 @@ import minigpt.data.download as download
 import minigpt.data.prepare as prepare
 from minigpt import chat_template
 from minigpt.config import ConfigError
+from minigpt.data.corpus import SHARDS
+from minigpt.data.shards import vocabulary_hash
 from minigpt.data.token_files import DataError, load_meta
 from minigpt.files import sha256
 from minigpt.tokenizer import (
@@ -126,13 +128,27 @@ def resolve_data(data: str | Sequence[str], root: str | Path = "data",
         return prepare_tinystories(root, DATASETS[str(items[0]).lower()],
                                    tokenizer=tokenizer or DEFAULT_TOKENIZER)
     if len(items) == 1 and (Path(items[0]) / "meta.json").is_file():
-        used = load_meta(items[0]).get("tokenizer", DEFAULT_TOKENIZER)
-        if tokenizer is not None and used != tokenizer:
-            raise DataError(f"{items[0]} was tokenized with {used!r}, not {tokenizer!r}: give "
-                            f"the text or the dataset name instead and it is prepared again "
-                            f"(or, to train on it, choose a model with that tokenizer: "
+        meta = load_meta(items[0])
+        used = meta.get("tokenizer", DEFAULT_TOKENIZER)
+        recorded = meta.get("vocab_hash")  # shards name their vocabulary: its spelling may vary
+        same = recorded is not None and tokenizer is not None and (
+            recorded == vocabulary_hash(tokenizer))
+        if tokenizer is not None and used != tokenizer and not same:
+            again = ("prepare the corpus again into another folder with --tokenizer "
+                     f"{tokenizer}" if meta.get("kind") == SHARDS else "give the text or the "
+                     "dataset name instead and it is prepared again")
+            raise DataError(f"{items[0]} was tokenized with {used!r}, not {tokenizer!r}: "
+                            f"{again} (or, to train on it, choose a model with that tokenizer: "
                             f"--tokenizer {used})")
+        if tokenizer is not None and recorded is not None and not same:
+            raise DataError(f"{items[0]} was tokenized with a vocabulary named {used!r} whose "
+                            f"ids meant other tokens (its vocabulary hash {recorded[:12]}, now "
+                            f"{vocabulary_hash(tokenizer)[:12]}): prepare the corpus again "
+                            f"with this one")
         return Path(items[0])
+    if len(items) == 1 and (Path(items[0]) / "progress.json").is_file():
+        raise DataError(f"{items[0]} is a corpus whose preparation did not finish: run the "
+                        f"same `python -m minigpt.data prepare` command again to finish it")
     return prepare_text(items, root, tokenizer=tokenizer or DEFAULT_TOKENIZER)
 
 
@@ -141,7 +157,8 @@ def check_tokenizer(data_dir: str | Path, model_cfg, model_name: str) -> dict:
     data is in the model's tokenizer. A model's vocabulary may have rows its tokenizer never
     uses (imported checkpoints often do), so the tokenizer, not the vocabulary size, decides."""
     meta = load_meta(data_dir)
-    if meta["vocab_size"] != load_tokenizer(model_cfg.tokenizer).n_vocab:
+    if meta["vocab_size"] != load_tokenizer(model_cfg.tokenizer).n_vocab or meta.get(
+            "vocab_hash") not in (None, vocabulary_hash(model_cfg.tokenizer)):
         raise ConfigError(
             f"{data_dir} was tokenized with {meta['tokenizer']!r} ({meta['vocab_size']:,} "
             f"tokens), but model {model_name!r} has a vocabulary of "

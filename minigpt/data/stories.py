@@ -14,7 +14,8 @@ users):
 - Text must be UTF-8; an invalid byte is reported with the file and its byte offset.
 
 A file is read in chunks of about 8 MB of whole stories, so a 2 GB source never sits in memory as
-one string, and its sha256 is computed on the way.
+one string, and its sha256 is computed on the way. Each chunk starts where the stories of the one
+before end, so reading from any of those places cuts the rest of the file the same way.
 """
 
 from __future__ import annotations
@@ -89,25 +90,37 @@ class StoryFile:
         parts = text.split(SEPARATOR) if self.layout == "separator" else _BLANK_LINES.split(text)
         return [s for s in (p.strip() for p in parts) if s]
 
-    def batches(self, chunk_bytes: int | None = None) -> Iterator[tuple[list[str], int]]:
-        """Yield (stories, bytes of the file they span), computing the file's sha256 on the way."""
+    def batches(self, chunk_bytes: int | None = None, start: int = 0
+                ) -> Iterator[tuple[list[str], int]]:
+        """Yield (stories, bytes of the file they span), computing the file's sha256 on the way
+        (of the whole file only when reading from its `start` 0). `position` is then the byte
+        where the stories not yet yielded start: a later call may begin there."""
         chunk_bytes = chunk_bytes or CHUNK_BYTES
         hasher = hashlib.sha256()
-        offset, buf = 0, b""
+        offset, buf = start, b""
+        self.position = start
         with open(self.path, "rb") as f:
+            f.seek(start)
             while chunk := f.read(chunk_bytes):
-                hasher.update(chunk)
                 buf = buf + chunk if buf else chunk
                 if offset == 0 and buf.startswith(_BOM):
+                    hasher.update(_BOM)
                     buf, offset = buf[len(_BOM):], len(_BOM)
                 boundary = self._last_boundary(buf)
                 if boundary is None:
                     continue  # a story longer than a chunk: read on
                 stories = self._split(buf[:boundary[0]], offset)
+                hasher.update(buf[:boundary[1]])
                 offset += boundary[1]
-                buf = buf[boundary[1]:]
+                # The next batch is read afresh from the byte after this one's last separator,
+                # so batches begin at the same places whatever `start` was: a preparation that
+                # resumes at one cuts the rest of the file as an uninterrupted one did.
+                buf = b""
+                f.seek(offset)
                 self.stories += len(stories)
+                self.position = offset
                 yield stories, boundary[1]
+        hasher.update(buf)
         self.sha256 = hasher.hexdigest()
         tail: list[str] = []
         if buf.strip():
@@ -119,4 +132,5 @@ class StoryFile:
                            f"bytes) looks cut off and is left out; end the file with a line "
                            f"break to keep it", file=sys.stderr)
         self.stories += len(tail)
+        self.position = offset + len(buf)
         yield tail, len(buf)

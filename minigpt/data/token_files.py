@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from minigpt.errors import UserError
 from minigpt.files import read_json_object, write_text_atomic
 
 SPLITS = ("train", "val")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A problem with data a user gave or asked for; the message says what to do."""
 
 

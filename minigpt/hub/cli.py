@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import minigpt.hub.peft as peft
-from minigpt import sharding
-from minigpt.checkpoint import CheckpointError
-from minigpt.config import ConfigError
-from minigpt.files import write_fault
-from minigpt.hub.architectures import HubError
+from minigpt.errors import exit_code
 from minigpt.hub.convert import export_run, import_checkpoint
 from minigpt.runtime import log, plain_warnings, set_simulated_devices
-from minigpt.tokenizer import TokenizerError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -49,18 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "devices", 0):
         set_simulated_devices(args.devices)
-    try:
-        with plain_warnings():
-            return _run(args)
-    except (HubError, ConfigError, sharding.PresetError, TokenizerError,
-            CheckpointError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # a disk that fills, a folder made read-only
-        if write_fault(error) is None:
-            raise
-        print(f"error: {write_fault(error)}", file=sys.stderr)
-        return 2
+    with plain_warnings():
+        return exit_code(lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:

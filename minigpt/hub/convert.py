@@ -43,11 +43,11 @@ from minigpt.config import ModelConfig
 from minigpt.files import first_line, read_json_object, write_text_atomic
 from minigpt.hub.architectures import (
     IGNORED_SUFFIXES,
-    TENSORS,
     HubError,
     Tensor,
     hf_name,
     instances,
+    mapping,
     to_hf,
     to_ours,
 )
@@ -115,14 +115,15 @@ class Source:
             self.checkpoint = Checkpoint(directory)
         except WeightsError as error:
             raise HubError(str(error)) from None
-        self.tensors = TENSORS[cfg.arch](cfg)
+        self.hub = mapping(cfg)
+        self.tensors = self.hub.tensors(cfg)
         keys = set(self.checkpoint.keys())
         first = self.tensors[0]  # the token embedding
-        self.prefix = next((p for p in ("", "transformer.") if self._name(first, (), p) in keys),
-                           None)
-        if self.prefix is None:
+        self.spelling = next((s for s in self.hub.spellings
+                              if self._name(first, (), s) in keys), None)
+        if self.spelling is None:
             raise HubError(f"{directory} does not hold {cfg.arch} weights: no tensor named "
-                           f"{first.name!r} (with or without a prefix)")
+                           f"{first.name!r} (in any layout its checkpoints use)")
         self.dtype = self.checkpoint.dtype(self._name(first, ()))  # as the file stores it
         used = set()
         for tensor in self.tensors:
@@ -139,19 +140,21 @@ class Source:
                     raise HubError(f"tensor {name} is {dtype}: minigpt reads float32, "
                                    f"bfloat16 and float16 weights")
                 used.add(name)
-        tied_head = {"lm_head.weight"} if cfg.arch == "gpt2" or cfg.tie_embeddings else set()
-        extra = sorted(k for k in keys - used - tied_head if not k.endswith(IGNORED_SUFFIXES))
+        head = {self.hub.spelled(n, self.spelling) for n in ("lm_head.weight",)}
+        tied_head = head if self.hub.tied(cfg) else set()
+        extra = sorted(k for k in keys - used - tied_head if not k.endswith(IGNORED_SUFFIXES)
+                       and not k.startswith(self.hub.ignored or ("\0",)))
         if extra:
             raise HubError(f"{directory} holds tensors a {cfg.arch} model does not use "
                            f"({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}): "
                            f"its config.json and weights disagree")
 
-    def _name(self, tensor: Tensor, ids: tuple[int, ...] | int, prefix: str | None = None) -> str:
-        prefix = self.prefix if prefix is None else prefix
-        name = hf_name(tensor, ids)
-        # GPT-2 files name tensors with or without "transformer."; Llama's always carry "model."
-        # except the untied head.
-        return name if name.startswith(("model.", "lm_head.")) else prefix + name
+    def _name(self, tensor: Tensor, ids: tuple[int, ...] | int,
+              spelling: tuple[str, str] | None = None) -> str:
+        """The file's name of a table row at `ids` (GPT-2 files name tensors with or without
+        "transformer.", a multimodal Gemma's under "language_model.": the family's
+        spellings)."""
+        return self.hub.spelled(hf_name(tensor, ids), spelling or self.spelling)
 
     def read(self, tensor: Tensor, shape: tuple[int, ...], index: tuple[slice, ...],
              ids: tuple[int, ...] = ()):
@@ -177,14 +180,14 @@ class Source:
         return out
 
 
-def load_sharded(source: Source, cfg: ModelConfig, preset: sharding.Preset, mesh):
+def load_sharded(source: Source, cfg: ModelConfig, layout: sharding.Layout):
     """The model with its weights read from `source` straight into the preset's layout: each
     array is assembled from the pieces its (addressable) devices hold, each read from the
     file as that device's piece is asked for."""
     abstract = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    sharding.check_divisible(preset, mesh, state)
-    shardings = sharding.state_shardings(preset, mesh, state)
+    sharding.check_divisible(layout, state)
+    shardings = sharding.state_shardings(layout, state)
     by_path = {t.path: t for t in source.tensors}
 
     def load(path, var, target):
@@ -215,7 +218,7 @@ def import_tokenizer(directory: Path, hf: dict[str, Any], cfg: ModelConfig,
         tokenizer_files.import_tokenizer_files(directory, hf, run, cfg.vocab_size,
                                                lambda path, name: _inside(directory, name))
         return tokenizer_files.FOLDER
-    if cfg.arch == "gpt2" and cfg.vocab_size == 50257:
+    if cfg.arch == "gpt2" and cfg.vocab_size == 50257:  # GPT-2's own files carry no tokenizer.json
         return "gpt2"
     if (directory / "tokenizer.model").is_file():
         raise HubError(f"{directory} has only tokenizer.model, SentencePiece's own format: "
@@ -276,16 +279,15 @@ def import_checkpoint(source: str, out: str | Path, *, preset_name: str = "dp",
     except WeightsError as error:
         raise HubError(str(error)) from None
     weights = Source(directory, cfg)
-    preset = sharding.load_preset(preset_name)
-    mesh = sharding.make_mesh(preset)
-    runtime.check_fits(preset, mesh, [nnx.state(nnx.eval_shape(
+    layout = sharding.Layout.make(preset_name)
+    runtime.check_fits(layout, [nnx.state(nnx.eval_shape(
         lambda: build_model(cfg, rngs=nnx.Rngs(0))))], what=f"the model of {directory}",
         hint="import it under a preset that splits the weights (--preset fsdp), or on a "
              "machine with more memory")
     with _new_directory(out) as staging:
         tokenizer = import_tokenizer(directory, hf, cfg, staging)
         cfg = dataclasses.replace(cfg, tokenizer=tokenizer)
-        model = load_sharded(weights, cfg, preset, mesh)
+        model = load_sharded(weights, cfg, layout)
         record = {"source": source, "revision": revision, "directory": str(directory),
                   "architecture": (hf.get("architectures") or [None])[0],
                   "weights_dtype": str(weights.dtype)}
@@ -308,18 +310,17 @@ def hf_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
              for path, var in jax.tree_util.tree_leaves_with_path(
                  nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))}
     parts: dict[str, list] = {}
-    tensors = TENSORS[cfg.arch](cfg)
-    for tensor in tensors:
+    hub = mapping(cfg)
+    for tensor in hub.tensors(cfg):
         array = state[tensor.path]
         for ids in instances(tensor, cfg):
             piece = to_hf(tensor, array[ids])
             parts.setdefault(hf_name(tensor, ids), []).append((tensor.part[0], piece))
-    prefix = "transformer." if cfg.arch == "gpt2" else ""
     out = {}
     for name, pieces in parts.items():
         pieces = [p for _, p in sorted(pieces, key=lambda item: item[0])]
         joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
-        out[prefix + name] = np.ascontiguousarray(joined, dtype=np.float32)
+        out[hub.spelled(name, hub.spellings[0])] = np.ascontiguousarray(joined, np.float32)
     return out
 
 

@@ -43,10 +43,10 @@ from minigpt.hub.adapter_config import (
     matched,
     read_adapter_config,
 )
-from minigpt.hub.architectures import TENSORS, HubError
+from minigpt.hub.architectures import HubError
 from minigpt.hub.convert import _new_directory, check_out
 from minigpt.hub.safetensors import SafetensorsFile, WeightsError, encode, resolve_inside
-from minigpt.models import lora
+from minigpt.models import family_of, lora
 from minigpt.runs import LOAD_ERRORS, RunDir, keep_vocabulary, load_run
 
 WEIGHTS = "adapter_model.safetensors"
@@ -76,12 +76,13 @@ class Module:
 
 def modules(cfg: ModelConfig) -> list[Module]:
     """The table: every projection a PEFT adapter of this architecture may adapt."""
-    if cfg.arch != "llama":
+    family = family_of(cfg)
+    if family.hub is None or not family.hub.peft:
         raise HubError(f"PEFT adapters are written and read for llama-family runs (Llama, "
                        f"Mistral, Qwen2, Qwen3); a {cfg.arch} run's adapters can be exported "
                        f"merged into its weights (without --adapter)")
     return [Module(t.path[-2], t.path[:-1], t.name.removesuffix(".weight"), t.hf_shape)
-            for t in TENSORS[cfg.arch](cfg) if t.path[-1] == "kernel" and t.part == (0, 1)]
+            for t in family.hub.tensors(cfg) if t.path[-1] == "kernel" and t.part == (0, 1)]
 
 
 def to_peft(a: np.ndarray, b: np.ndarray, module: Module) -> tuple[np.ndarray, np.ndarray]:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from minigpt.errors import UserError
 from minigpt.files import write_chunks_atomic, write_text_atomic
 
 INDEX = "model.safetensors.index.json"
@@ -45,7 +46,7 @@ MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own bound; real head
 MAX_RANK = 32  # NumPy 1's bound on an array's dimensions; no checkpoint comes near it
 
 
-class WeightsError(RuntimeError):
+class WeightsError(UserError, RuntimeError):
     """A weights file is missing, damaged or not what its header says; the message says which."""
 
 

@@ -1,9 +1,12 @@
-"""The model zoo: named configurations and the architectures that build them.
+"""The model zoo: the architecture families and the named configurations they make.
 
-`get_config("minigpt")` returns a frozen `ModelConfig`; `build_model(config, rngs=...)` builds the
-NNX module its `arch` names. Adding an architecture means one file in this package and one line in
-`ARCHITECTURES`; adding a size means one entry in `CONFIGS`. `python -m minigpt.models` lists the
-zoo with parameter counts (and, for a mixture of experts, the parameters one token uses).
+Each family lives in a folder of its own (`minigpt.models.<family>`: its module, its zoo
+entries, the config fields only it reads and its checks, its Hugging Face mapping; see
+`minigpt.models.family`), and is registered by one line in `FAMILIES` below. `get_config("minigpt")`
+returns a frozen `ModelConfig`; `build_model(config, rngs=...)` builds the NNX module its `arch`
+names, its execution settings made concrete for the backend here. `python -m minigpt.models`
+lists the zoo with parameter counts (and, for a mixture of experts, the parameters one token
+uses).
 """
 
 from __future__ import annotations
@@ -12,66 +15,25 @@ from collections.abc import Callable
 
 from flax import nnx
 
+import minigpt.config as config
 from minigpt.config import ConfigError, ModelConfig
 from minigpt.files import unknown_name
+from minigpt.models import execution
 from minigpt.models.decoder import DecoderLM, count_params
-from minigpt.models.gpt2 import GPT2
-from minigpt.models.llama import Llama
-from minigpt.models.minigpt import MiniGPT
+from minigpt.models.family import Family, HubError
+from minigpt.models.gemma3 import FAMILY as GEMMA3
+from minigpt.models.gpt2 import FAMILY as GPT2
+from minigpt.models.llama import FAMILY as LLAMA
+from minigpt.models.minigpt import FAMILY as MINIGPT
+
+# The registry: a family's folder and this line are all that adding one takes.
+FAMILIES: dict[str, Family] = {f.name: f for f in (MINIGPT, GPT2, LLAMA, GEMMA3)}
+config.FAMILIES.update(FAMILIES)  # their config fields and checks join every ModelConfig's
 
 ARCHITECTURES: dict[str, Callable[..., DecoderLM]] = {
-    "minigpt": MiniGPT,
-    "gpt2": GPT2,
-    "llama": Llama,
-}
-
-_GPT2 = dict(arch="gpt2", norm_eps=1e-5, dropout=0.0)
-_LLAMA = dict(arch="llama", norm_eps=1e-5, dropout=0.0)
-_STORIES = dict(tokenizer="tinystories-4k", vocab_size=4096)
-
-# The "-tiny" sizes are for tests on CPU: every dimension a preset may split divides by 8.
+    name: family.module for name, family in FAMILIES.items()}
 CONFIGS: dict[str, ModelConfig] = {
-    # The tutorial's model: vocab 50257, context 256, 8 blocks of width 256 with 8 heads.
-    "minigpt": ModelConfig(arch="minigpt"),
-    "minigpt-tiny": ModelConfig(arch="minigpt", context_len=128, embed_dim=64, num_heads=8,
-                                mlp_dim=128, num_layers=2),
-    # minigpt-tiny with 8 layers: one per stage when a pipeline preset spans 8 devices.
-    "minigpt-tiny8": ModelConfig(arch="minigpt", context_len=128, embed_dim=64, num_heads=8,
-                                 mlp_dim=128, num_layers=8),
-    # GPT-2's 124M shape (12 layers, 12 heads, width 768, context 1024).
-    "gpt2-small": ModelConfig(**_GPT2, context_len=1024, embed_dim=768, num_heads=12,
-                              mlp_dim=3072, num_layers=12),
-    "gpt2-mini": ModelConfig(**_GPT2, context_len=256, embed_dim=256, num_heads=8,
-                             mlp_dim=1024, num_layers=4),
-    "gpt2-tiny": ModelConfig(**_GPT2, context_len=128, embed_dim=64, num_heads=8,
-                             mlp_dim=256, num_layers=2),
-    # About 15M parameters, most of them in the two 50304 x 128 vocabulary tables.
-    "llama-15m": ModelConfig(**_LLAMA, context_len=256, embed_dim=128, num_heads=8,
-                             num_kv_heads=4, mlp_dim=384, num_layers=8),
-    "llama-tiny": ModelConfig(**_LLAMA, context_len=128, embed_dim=128, num_heads=16,
-                              num_kv_heads=8, mlp_dim=256, num_layers=2),
-    # Sized for a laptop CPU and ten minutes (recipes/stories-cpu.toml), chosen by held-out
-    # bits per byte after a fixed wall-clock budget (bench/bench_stories.py): TinyStories'
-    # 4,096-token vocabulary, so the output layer is a small part of each step. Four layers
-    # unrolled compile as fast as a scan and step 7% faster at this shape (bench/RESULTS.md).
-    "llama-cpu": ModelConfig(**_LLAMA, **_STORIES, context_len=256, embed_dim=128,
-                             num_heads=4, num_kv_heads=4, mlp_dim=384, num_layers=4,
-                             scan_layers=False),
-    "minigpt-cpu": ModelConfig(arch="minigpt", **_STORIES, dropout=0.0, context_len=256,
-                               embed_dim=128, num_heads=4, mlp_dim=512, num_layers=4,
-                               scan_layers=False),
-    # A mixture of experts for tests: every layer sparse, 8 SwiGLU experts of width 64 (top 2)
-    # and a shared expert as Qwen2-MoE has; TinyStories' small vocabulary keeps it quick.
-    "moe-tiny": ModelConfig(**_LLAMA, **_STORIES, context_len=128, embed_dim=64, num_heads=8,
-                            num_kv_heads=4, mlp_dim=128, num_layers=2, num_experts=8,
-                            experts_per_token=2, expert_mlp_dim=64, shared_expert_mlp_dim=64),
-    # llama-cpu with each feed-forward made 8 experts of half its width, 2 per token: the same
-    # parameters per token (and FLOPs, the router aside) as llama-cpu, 4x its feed-forward
-    # parameters in all (bench/bench_moe.py compares them).
-    "moe-cpu": ModelConfig(**_LLAMA, **_STORIES, context_len=256, embed_dim=128, num_heads=4,
-                           num_kv_heads=4, mlp_dim=384, num_layers=4, scan_layers=False,
-                           num_experts=8, experts_per_token=2, expert_mlp_dim=192),
-}
+    name: cfg for family in FAMILIES.values() for name, cfg in family.zoo.items()}
 
 
 def get_config(name: str) -> ModelConfig:
@@ -80,11 +42,18 @@ def get_config(name: str) -> ModelConfig:
     return CONFIGS[name]
 
 
+def family_of(cfg: ModelConfig) -> Family:
+    """The family a config's `arch` names (ConfigError naming the known ones)."""
+    if cfg.arch not in FAMILIES:
+        raise ConfigError(f"unknown architecture {cfg.arch!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[cfg.arch]
+
+
 def build_model(config: ModelConfig, *, rngs: nnx.Rngs) -> DecoderLM:
-    if config.arch not in ARCHITECTURES:
-        raise ConfigError(f"unknown architecture {config.arch!r}; "
-                          f"known: {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[config.arch](config, rngs=rngs)
+    """The model a config describes, its execution settings made concrete for the backend
+    here (`execution.for_backend`: no layer reads an "auto")."""
+    return family_of(config).module(execution.for_backend(config), rngs=rngs)
 
 
-__all__ = ["ARCHITECTURES", "CONFIGS", "DecoderLM", "build_model", "count_params", "get_config"]
+__all__ = ["ARCHITECTURES", "CONFIGS", "FAMILIES", "DecoderLM", "Family", "HubError",
+           "build_model", "count_params", "family_of", "get_config"]

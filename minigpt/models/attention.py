@@ -8,10 +8,10 @@ runs XLA's attention instead:
 
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's flash attention on
   NVIDIA GPUs. Causality is its own mask type (it skips the blocks above the diagonal), grouped
-  heads it takes as they are, documents as a boolean `mask` (JAX hands it to cuDNN as an
-  additive bias [B, 1, T, S]). It refuses float32 inputs, head sizes that are not a multiple of
-  8 or exceed 128 (256 from Hopper on), a sequence of odd length with a mask while training,
-  and a backend without cuDNN, each by raising while it is traced.
+  heads it takes as they are, documents and a sliding window as a boolean `mask` (JAX hands it
+  to cuDNN as an additive bias [B, 1, T, S]). It refuses float32 inputs, head sizes that are
+  not a multiple of 8 or exceed 128 (256 from Hopper on), a sequence of odd length with a mask
+  while training, and a backend without cuDNN, each by raising while it is traced.
 - `splash`: the Splash attention Pallas kernel for TPUs (`jax.experimental.pallas.ops.tpu`):
   causality as a block mask whose empty blocks it skips, documents as segment ids, grouped heads
   as they are; for sequences that cut into its 128-position blocks. A Pallas kernel is not
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from minigpt import parallel
-from minigpt.models.masks import same_document
+from minigpt.models.masks import AttentionInputs
 
 # Splash's query and key blocks (its default block sizes): a sequence must cut into them.
 SPLASH_BLOCK = 128
@@ -42,12 +42,11 @@ class Refused(Exception):
     """A fused kernel will not take this call; the message says why."""
 
 
-def cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, segments: jax.Array | None = None,
-          mask: jax.Array | None = None, causal: bool = True) -> jax.Array:
-    """Attention by cuDNN's flash kernel: causal (with document ids `segments` [B, T], within
-    each document) or, for the cached decode, by an explicit boolean `mask` [B, 1, T, S]."""
-    if segments is not None:
-        mask = same_document(segments, segments)[:, None]  # [B, 1, T, T]
+def cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
+          causal: bool = True) -> jax.Array:
+    """Attention by cuDNN's flash kernel: causal, within what a boolean `mask` [B, 1, T, S]
+    allows (documents and a window, `AttentionInputs.mask`; the cached decode's own mask with
+    `causal=False`)."""
     try:
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                             implementation="cudnn")
@@ -55,11 +54,16 @@ def cudnn(q: jax.Array, k: jax.Array, v: jax.Array, *, segments: jax.Array | Non
         raise Refused(f"{type(error).__name__}: {error}") from None
 
 
-def splash(q: jax.Array, k: jax.Array, v: jax.Array, *, segments: jax.Array | None = None,
+def splash(q: jax.Array, k: jax.Array, v: jax.Array, attn: AttentionInputs | None = None, *,
            interpret: bool = False) -> jax.Array:
-    """Causal attention by the Splash Pallas kernel (within each document, given ids
-    `segments` [B, T]); `interpret` runs it in Pallas' interpreter (any backend, slowly: the
-    tests' way to check it on a CPU)."""
+    """Causal attention by the Splash Pallas kernel (within each document, as `attn`'s ids
+    say); `interpret` runs it in Pallas' interpreter (any backend, slowly: the tests' way to
+    check it on a CPU). A sliding window it refuses: its local mask is built before tracing,
+    and a window that changes layer by layer inside a scan is traced data."""
+    if attn is not None and attn.windowed:
+        raise Refused("a sliding window is traced data here, and Splash builds its masks "
+                      "before tracing")
+    segments = None if attn is None else attn.segment_ids
     T = q.shape[1]
     if T % SPLASH_BLOCK:
         raise Refused(f"a sequence of {T} positions does not cut into Splash's "

@@ -17,14 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import minigpt.models.execution as execution
+import minigpt.models.fp8 as fp8
 import minigpt.models.kernels as kernels
 import minigpt.models.lora as lora
 import minigpt.models.loss as loss
 from minigpt import parallel, pipeline, sharding
 from minigpt.config import ModelConfig
+from minigpt.errors import UserError
 from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys, token_keys
-from minigpt.models.masks import document_positions
+from minigpt.models.masks import AttentionInputs, document_positions
 from minigpt.sharding import constrain
+
+
+class InputError(UserError, ValueError):
+    """Arrays given to a model that it cannot read; the message names the argument."""
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
@@ -44,8 +51,9 @@ class BlockStack(nnx.Module):
     deep the model is), otherwise as an unrolled loop over the stack's slices; under a preset
     that splits `layers` over several devices (a pipeline preset) training runs the model as a
     pipeline (`DecoderLM.pipelined_loss`), chunk by chunk (`run_chunk`), as the context's
-    pipeline settings say. A block is called as `block(x, positions, kv, keys) -> (x, kv)`, or
-    `(x, kv, report)` where it has something to report (a mixture of experts: the router's
+    pipeline settings say. A block is called as `block(x, attn, kv, keys) -> (x, kv)` (`attn`:
+    the `AttentionInputs` of its layer, the window set where the model's layers have their own),
+    or `(x, kv, report)` where it has something to report (a mixture of experts: the router's
     penalties and counts, `minigpt.models.moe`), which the stack sums over its layers; layer i
     draws its dropout masks from every token's key folded with i. The stack owns the
     layout of the key/value cache ([L, B, S, K, H] keys and values), so callers treat the
@@ -54,7 +62,11 @@ class BlockStack(nnx.Module):
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], cfg: ModelConfig, *,
                  rngs: nnx.Rngs):
-        self.remat, self.scan, self.num_layers = cfg.remat, cfg.scan_layers, cfg.num_layers
+        # How the stack runs, as `execution.for_backend` resolved it (a config built by hand
+        # may still say "auto": resolved here, for the backend running)
+        self.remat = execution.remat_policy(cfg.remat_policy)
+        self.scan, self.num_layers = execution.scanned(cfg.scan_layers), cfg.num_layers
+        self.windows = layer_windows(cfg)  # each layer's sliding window (0: full)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -63,36 +75,34 @@ class BlockStack(nnx.Module):
 
         self.layers = stacked(rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache, keys: jax.Array | None,
-                 segments: jax.Array | None = None):
+    def __call__(self, x: jax.Array, attn: AttentionInputs, cache, keys: jax.Array | None):
         """(x, cache, the layers' reports summed: {} where the blocks report nothing)."""
         graphdef, params = nnx.split(self.layers)
         order = pipeline.positions_in_use(self.num_layers)
         if order is not None:  # the arrays hold a circular schedule's order: run the model's
             params = jax.tree.map(lambda a: a[np.argsort(order)], params)
-        return self._run(graphdef, params, x, positions, cache, keys, segments, first_layer=0)
+        return self._run(graphdef, params, x, attn, cache, keys, first_layer=0)
 
-    def run_chunk(self, params, x: jax.Array, positions: jax.Array, keys: jax.Array | None,
-                  first_layer, segments: jax.Array | None = None
-                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def run_chunk(self, params, x: jax.Array, attn: AttentionInputs, keys: jax.Array | None,
+                  first_layer) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Apply the consecutive layers whose stacked parameters are `params` (a slice of the
         stack's state, [c, ...]), numbered from `first_layer`: one pipeline stage's chunk.
         Returns its output and its layers' reports, summed."""
-        x, _, report = self._run(nnx.graphdef(self.layers), params, x, positions, None, keys,
-                                 segments, first_layer=first_layer)
+        x, _, report = self._run(nnx.graphdef(self.layers), params, x, attn, None, keys,
+                                 first_layer=first_layer)
         return x, report
 
-    def _run(self, graphdef, params, x, positions, cache, keys, segments, *, first_layer):
+    def _run(self, graphdef, params, x, attn, cache, keys, *, first_layer):
         """Apply the layers whose stacked parameters are `params`, numbered from first_layer."""
         def layer(x, layer_params, kv, index):
             block = nnx.merge(graphdef, layer_params)
             layer_keys = None if keys is None else fold_keys(keys, index)
             with lora.dropout_keys(layer_keys):  # the adapters' (the layer splits its own)
-                x, kv, *report = block(x, positions, kv, layer_keys, segments)
+                x, kv, *report = block(x, attn.for_layer(self.windows, index), kv, layer_keys)
             return constrain(x, ACTIVATION_AXES), kv, (report[0] if report else {})
 
-        if self.remat:
-            layer = jax.checkpoint(layer)
+        if self.remat is not None:
+            layer = jax.checkpoint(layer, policy=self.remat)
         count = jax.tree.leaves(params)[0].shape[0]
         indices = first_layer + jnp.arange(count)
         if self.scan:
@@ -119,6 +129,14 @@ class BlockStack(nnx.Module):
                      for _ in range(2))
 
 
+def layer_windows(cfg: ModelConfig) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention): `model.sliding_window` on every layer,
+    or, with `model.sliding_window_pattern` N, on all but every N-th (Gemma 3's five local
+    layers to one global)."""
+    W, N = cfg.sliding_window, cfg.sliding_window_pattern
+    return tuple(0 if not W or (N and (i + 1) % N == 0) else W for i in range(cfg.num_layers))
+
+
 def _lookup_ready(state):
     """The state with its lookup tables' embedding axis gathered: inside a pipeline stage with
     two other mesh axes (the 3-D presets), XLA cannot partition a lookup into a table split
@@ -133,11 +151,12 @@ def _lookup_ready(state):
 
 
 def _with_own_kernels(method):
-    """Run a model's entry point with the model's own kernel choice (`ModelConfig.kernels`) in
-    the context, where its layers read it: resolved once per model, not in every layer."""
+    """Run a model's entry point with the model's own kernel and FP8 choices
+    (`ModelConfig.kernels`, `ModelConfig.fp8`) in the context, where its layers read them:
+    resolved once per model, not in every layer."""
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        with sharding.running(kernels=self.config.kernels):
+        with sharding.running(kernels=self.config.kernels), fp8.running(self.config):
             return method(self, *args, **kwargs)
 
     return wrapped
@@ -200,6 +219,7 @@ class DecoderLM(nnx.Module):
         order, or, with `run_order` (tokens, ids and positions given in that order: the loss, a
         mean over positions, needs no other), in that order.
         """
+        check_inputs(tokens, segment_ids=segment_ids, positions=positions)
         B, T = tokens.shape
         order = parallel.sequence_order(T)
         if segment_ids is not None and positions is None:
@@ -219,7 +239,7 @@ class DecoderLM(nnx.Module):
         # The embedding's dropout keys come after the layers' 0..L-1.
         embed_keys = None if keys is None else fold_keys(keys, self.config.num_layers)
         x = constrain(self.embed(tokens, positions, embed_keys), ACTIVATION_AXES)  # [B, T, D]
-        x, _, report = self.blocks(x, positions, None, keys, segment_ids)
+        x, _, report = self.blocks(x, AttentionInputs(positions, segment_ids), None, keys)
         if order is not None and not run_order:
             x = constrain(x[:, np.argsort(order)], ACTIVATION_AXES)  # the tokens' order again
         return x, report
@@ -239,6 +259,8 @@ class DecoderLM(nnx.Module):
         """`loss`, and what it is made of: {"cross_entropy": the mean over trained targets, and
         what the blocks report: each loss term (float) as a mean over positions, each count
         (int) for the whole batch}. The loss is the cross-entropy plus the terms."""
+        check_inputs(batch["inputs"], **{k: batch.get(k) for k in (
+            "targets", "segment_ids", "positions")})
         batch = loss_batch(batch)
         if sharding.active_ways("layers") > 1:
             return self.pipelined_loss(batch, keys)
@@ -281,8 +303,9 @@ class DecoderLM(nnx.Module):
             return constrain(model.embed(mb["tokens"], mb["positions"], keys), ACTIVATION_AXES)
 
         def stage(chunk, x, mb, first_layer):
-            y, report = self.blocks.run_chunk(chunk["blocks"]["layers"], x, mb["positions"],
-                                              mb["keys"], first_layer, mb["segments"])
+            attn = AttentionInputs(mb["positions"], mb["segments"])
+            y, report = self.blocks.run_chunk(chunk["blocks"]["layers"], x, attn, mb["keys"],
+                                              first_layer)
             terms = [v for v in report.values() if jnp.issubdtype(v.dtype, jnp.floating)]
             return y, sum(terms, jnp.zeros((), jnp.float32)), report
 
@@ -310,13 +333,31 @@ class DecoderLM(nnx.Module):
         Row b's positions must be consecutive, starting where its cached prefix ends.
         """
         x = constrain(self.embed(tokens, positions), ACTIVATION_AXES)
-        x, cache, _ = self.blocks(x, positions, cache, None)
+        x, cache, _ = self.blocks(x, AttentionInputs(positions), cache, None)
         return self.logits(x), cache
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32):
         """An empty cache for `batch` rows of at most `length` positions."""
         cfg = self.config
         return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype)
+
+
+def check_inputs(tokens, **per_token) -> None:
+    """Refuse (InputError, naming the argument) token ids that are not an integer [B, T] array,
+    and arrays given beside them (`segment_ids`, `positions`) that are not integers of the same
+    shape: inside the model they would fail as broadcasting errors naming neither."""
+    shape = getattr(tokens, "shape", None)
+    if shape is None or len(shape) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise InputError(f"tokens must be integer ids [batch, positions], got "
+                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} {shape}")
+    for name, value in per_token.items():
+        if value is None:
+            continue
+        got = getattr(value, "shape", None)
+        if got != tuple(shape) or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise InputError(f"{name} must be integers of the tokens' shape {tuple(shape)} (one "
+                             f"per token), got {getattr(value, 'dtype', type(value).__name__)} "
+                             f"{got}")
 
 
 def loss_batch(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

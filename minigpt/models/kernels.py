@@ -30,10 +30,11 @@ instead and the reason is said once, as a warning (`FALLBACKS` keeps them).
 "cpu" on the CPU backend, "cudnn" on GPUs, "splash" on TPUs, "reference" elsewhere); and
 `ModelConfig.dtype` "auto" (the default) computes in float32 on a CPU and in bfloat16 on an
 accelerator (`compute_dtype`). A model puts its kernel choice in the context its code runs in
-(`minigpt.sharding.running`) and its layers ask `active()`. This module is the only place in
-minigpt that asks which backend is running. Every set computes the same function; the tests
-compare losses and every gradient of them on each architecture, so the accelerator paths are
-checked on a CPU too (the fused ones through their fallback, Splash in Pallas' interpreter).
+(`minigpt.sharding.running`) and its layers ask `active()`. Which backend is running is
+`minigpt.models.execution`'s to say, the one place that asks. Every set computes the same
+function; the tests compare losses and every gradient of them on each architecture, so the
+accelerator paths are checked on a CPU too (the fused ones through their fallback, Splash in
+Pallas' interpreter).
 """
 
 from __future__ import annotations
@@ -46,48 +47,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 import minigpt.models.attention as attention
+import minigpt.models.execution as execution
 from minigpt import sharding
+from minigpt.models.execution import compute_dtype, kernel_set
 from minigpt.models.grouped import blocked_expert_ffn
 from minigpt.models.loss import cross_entropy, fused_cross_entropy
-from minigpt.models.masks import same_document
+from minigpt.models.masks import AttentionInputs
 
-# The kernel set "auto" means on each backend (`jax.default_backend()`); others: "reference".
-AUTO_KERNELS = {"cpu": "cpu", "gpu": "cudnn", "tpu": "splash"}
 # Which backend each fused kernel runs on.
 FUSED_BACKENDS = {"cudnn": "gpu", "splash": "tpu"}
-# Run Splash in Pallas' interpreter where no TPU is at hand (the tests set it, on a CPU).
-SPLASH_INTERPRET = False
 # Each fallback said so far, "<kernel>: <reason>": said once, kept for reports.
 FALLBACKS: list[str] = []
 
 
-def resolve(choice: str, platform: str | None = None) -> str:
-    """The kernels "auto" means on `platform` ("cpu", "gpu", "tpu"; default the backend
-    running here: `AUTO_KERNELS`), or the choice itself."""
-    if choice == "auto":
-        return AUTO_KERNELS.get(platform or jax.default_backend(), "reference")
-    return choice
-
-
 def get(choice: str) -> ReferenceKernels:
-    """The kernel set for a `ModelConfig.kernels` value (minigpt.config.KERNELS)."""
-    return _KERNELS[resolve(choice)]
-
-
-def compute_dtype(choice: str, platform: str | None = None) -> str:
-    """The dtype a `ModelConfig.dtype` value computes in on `platform` (default the backend
-    running here): "auto" is float32 on a CPU (where bfloat16 matmuls are no faster) and
-    bfloat16 on an accelerator, whose matrix units run it at twice float32's rate or more;
-    parameters and optimizer state stay float32 either way."""
-    if choice == "auto":
-        return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
-    return choice
+    """The kernel set for a `ModelConfig.kernels` value (minigpt.config.KERNELS; "auto" as
+    `minigpt.models.execution` resolves it here)."""
+    return _KERNELS[kernel_set(choice)]
 
 
 def describe(kernels: str, dtype: str) -> str:
     """What a model with these `kernels` and `dtype` settings runs here, for the run's log:
     "kernels cudnn (auto: ...), computing in bfloat16 (auto)"."""
-    name = resolve(kernels)
+    name = kernel_set(kernels)
     return (f"kernels {name} ({'auto: ' if kernels == 'auto' else ''}{_KERNELS[name].about}), "
             f"computing in {compute_dtype(dtype)}{' (auto)' if dtype == 'auto' else ''}")
 
@@ -117,10 +99,11 @@ class ReferenceKernels:
         return y + bias
 
     def causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
-                         segments: jax.Array | None = None) -> jax.Array:
+                         attn: AttentionInputs | None = None) -> jax.Array:
         """Causal self-attention: q [B, T, N, H], k and v [B, T, K, H], N a multiple of K;
-        with document ids `segments` [B, T], each query sees its own document's keys only."""
-        mask = None if segments is None else same_document(segments, segments)[:, None]
+        as `attn` says, each query sees its own document's keys only (its `segment_ids`) and
+        those within its window."""
+        mask = None if attn is None else attn.mask()
         return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
     def cached_attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -163,15 +146,16 @@ class FusedKernels(ReferenceKernels):
         self.name = self.kernel = kernel
         self.about = about
 
-    def causal_attention(self, q, k, v, segments=None):
+    def causal_attention(self, q, k, v, attn=None):
         try:
             self._check_backend()
             if self.kernel == "splash":
-                return attention.splash(q, k, v, segments=segments, interpret=SPLASH_INTERPRET)
-            return attention.cudnn(q, k, v, segments=segments)
+                return attention.splash(q, k, v, attn,
+                                        interpret=sharding.active().splash_interpret)
+            return attention.cudnn(q, k, v, mask=None if attn is None else attn.mask())
         except attention.Refused as refusal:
             self._fall_back(str(refusal))
-            return super().causal_attention(q, k, v, segments)
+            return super().causal_attention(q, k, v, attn)
 
     def cached_attention(self, q, k, v, mask):
         if self.kernel == "cudnn":
@@ -183,8 +167,9 @@ class FusedKernels(ReferenceKernels):
         return super().cached_attention(q, k, v, mask)
 
     def _check_backend(self) -> None:
-        backend, needed = jax.default_backend(), FUSED_BACKENDS[self.kernel]
-        if backend != needed and not (self.kernel == "splash" and SPLASH_INTERPRET):
+        backend, needed = execution.backend(), FUSED_BACKENDS[self.kernel]
+        interpreted = self.kernel == "splash" and sharding.active().splash_interpret
+        if backend != needed and not interpreted:
             raise attention.Refused(f"it runs on the {needed} backend, and this one is {backend}")
 
     def _fall_back(self, reason: str) -> None:
@@ -207,11 +192,11 @@ class CpuKernels(ReferenceKernels):
     def add_bias(self, y, bias):
         return _add_bias(y, bias)
 
-    def causal_attention(self, q, k, v, segments=None):
+    def causal_attention(self, q, k, v, attn=None):
         T = q.shape[1]
         if T % ATTENTION_BLOCK or T == ATTENTION_BLOCK:
-            return super().causal_attention(q, k, v, segments)
-        return _blocked_causal_attention(q, k, v, segments)
+            return super().causal_attention(q, k, v, attn)
+        return _blocked_causal_attention(q, k, v, attn)
 
     def gated_activation(self, x, w_gate, w_up):
         return _gated_activation(x, w_gate, w_up)
@@ -301,22 +286,22 @@ ATTENTION_BLOCK = 64
 
 @jax.custom_vjp
 def _blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                              segments: jax.Array | None) -> jax.Array:
+                              attn: AttentionInputs | None) -> jax.Array:
     """Causal attention one block of 64 queries at a time, each against the keys up to its end
-    (and, with document ids `segments` [B, T], of its own document), with the backward pass
+    (and, as `attn` says, of its own document and within its window), with the backward pass
     written out. Left to autodiff, the softmax's backward summed dP * P over every key of every
     block, which profiles showed costing more than the attention's matmuls at T = 256; the
     written-out form takes that sum as dO . O over the head's features instead (as flash
     attention does), a sum H long instead of T. A masked key has probability 0, so the backward
     needs no mask of its own."""
-    return _blocked_attention_fwd(q, k, v, segments)[0]
+    return _blocked_attention_fwd(q, k, v, attn)[0]
 
 
 def _query_blocks(T: int) -> list[tuple[int, int]]:
     return [(start, min(start + ATTENTION_BLOCK, T)) for start in range(0, T, ATTENTION_BLOCK)]
 
 
-def _blocked_attention_fwd(q, k, v, segments):
+def _blocked_attention_fwd(q, k, v, attn):
     B, T, N, H = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4) * (H ** -0.5)  # [B, K, G, T, H]
@@ -325,9 +310,13 @@ def _blocked_attention_fwd(q, k, v, segments):
     for start, end in _query_blocks(T):
         scores = jnp.einsum("bkgth,bksh->bkgts", q[:, :, :, start:end], k[:, :, :end])
         visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # [t, s]
-        if segments is not None:  # [B, 1, 1, t, s]: and in the query's document
-            visible = visible & same_document(segments[:, start:end],
-                                              segments[:, :end])[:, None, None]
+        if attn is not None:  # [B, 1, 1, t, s]: and in the query's document and window
+            part = AttentionInputs(attn.positions[:, start:end], None if attn.segment_ids is None
+                                   else attn.segment_ids[:, start:end], attn.window)
+            allowed = part.mask(attn.positions[:, :end], None if attn.segment_ids is None
+                                else attn.segment_ids[:, :end])
+            if allowed is not None:
+                visible = visible & allowed[:, :, None]
         scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
         probs.append(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
         blocks.append(jnp.einsum("bkgts,bksh->bkgth", probs[-1], v[:, :, :end]))

@@ -21,19 +21,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import minigpt.models.fp8 as fp8
 import minigpt.models.kernels as kernels
 from minigpt import parallel, sharding
 from minigpt.config import ModelConfig
+from minigpt.models.execution import compute_dtype
+from minigpt.models.masks import AttentionInputs, within_window
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 ACTIVATION_AXES = ("batch", "seq", "embed")  # [B, T, D] between layers
 
 # The layers name every weight matrix `kernel` and every lookup table `table`; biases are `bias`
-# and norm scales `scale`. Weight decay goes by these names (minigpt.train.optimizer.decays).
+# and norm scales `scale`. Weight decay goes by these names (minigpt.optim.optimizer.decays).
 DECAYED_PARAMETERS = ("kernel", "table")
 # Projections from the block's inner features back to the embedding (attention's `out`, the
-# MLP's `down`): every axis but the last is an input. Muon reads them so (minigpt.train.optimizer).
+# MLP's `down`): every axis but the last is an input. Muon reads them so (minigpt.optim.optimizer).
 OUTPUT_PROJECTIONS = ("out", "down")
 
 
@@ -118,7 +121,7 @@ class Dense(nnx.Module):
 
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
                  init: Initializer, use_bias: bool, dtype: str, rngs: nnx.Rngs):
-        self.spec, self.dtype = spec, jnp.dtype(kernels.compute_dtype(dtype))
+        self.spec, self.dtype = spec, jnp.dtype(compute_dtype(dtype))
         x_letters, k_letters = spec.split("->")[0].split(",")
         ins = [i for i, letter in enumerate(k_letters) if letter in x_letters]
         outs = [i for i, letter in enumerate(k_letters) if letter not in x_letters]
@@ -136,7 +139,8 @@ class Dense(nnx.Module):
         self.lora = nnx.data(None)  # a low-rank adapter, when one is attached (models.lora)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        product = fp8.einsum if fp8.active() else jnp.einsum  # model.fp8 (minigpt.models.fp8)
+        y = product(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.lora is not None:
             y = y + self.lora(x.astype(self.dtype))
         if self.bias is None:
@@ -153,41 +157,45 @@ class Embedding(nnx.Module):
 
     def __init__(self, num: int, dim: int, axes: tuple[str | None, str], *,
                  init: Initializer, dtype: str, rngs: nnx.Rngs):
-        self.dtype = jnp.dtype(kernels.compute_dtype(dtype))
+        self.dtype = jnp.dtype(compute_dtype(dtype))
         self.table = param(rngs, init, (num, dim), axes)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.table[...], ids, axis=0).astype(self.dtype)  # [B, T, D]
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...D,VD->...V", x.astype(self.dtype),
-                          self.table[...].astype(self.dtype))
+        product = fp8.einsum if fp8.active() else jnp.einsum  # model.fp8 (minigpt.models.fp8)
+        return product("...D,VD->...V", x.astype(self.dtype), self.table[...].astype(self.dtype))
 
 
 class LayerNorm(nnx.Module):
     """Normalise over the embedding (or, given `features`, over a last axis of that logical
     name and size): subtract the mean, divide by the standard deviation, then scale and shift
-    (`center=False` makes it RMSNorm: no mean, no shift)."""
+    (`center=False` makes it RMSNorm: no mean, no shift). With `unit_offset` the scale is
+    stored as its difference from 1 (Gemma's norms: they start at 0 and multiply by 1 + w)."""
 
     def __init__(self, cfg: ModelConfig, *, center: bool = True,
-                 features: tuple[str, int] | None = None, rngs: nnx.Rngs):
-        self.eps, self.center = cfg.norm_eps, center
-        self.dtype = jnp.dtype(kernels.compute_dtype(cfg.dtype))
+                 features: tuple[str, int] | None = None, unit_offset: bool = False,
+                 rngs: nnx.Rngs):
+        self.eps, self.center, self.offset = cfg.norm_eps, center, 1.0 if unit_offset else 0.0
+        self.dtype = jnp.dtype(compute_dtype(cfg.dtype))
         axis, size = features or ("embed", cfg.embed_dim)
-        self.scale = param(rngs, nnx.initializers.ones, (size,), (axis,))
+        start = nnx.initializers.zeros if unit_offset else nnx.initializers.ones
+        self.scale = param(rngs, start, (size,), (axis,))
         self.bias = param(rngs, nnx.initializers.zeros, (size,), (axis,)) if center else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Statistics in float32 whatever the compute dtype: bf16 variances lose too much.
         bias = None if self.bias is None else self.bias[...]
-        y = kernels.active().normalize(x, self.scale[...], bias, self.eps, self.center)
+        scale = self.scale[...] + self.offset if self.offset else self.scale[...]
+        y = kernels.active().normalize(x, scale, bias, self.eps, self.center)
         return y.astype(self.dtype)
 
 
 def RMSNorm(cfg: ModelConfig, *, features: tuple[str, int] | None = None,  # noqa: N802
-            rngs: nnx.Rngs) -> LayerNorm:
+            unit_offset: bool = False, rngs: nnx.Rngs) -> LayerNorm:
     """Root-mean-square normalisation (Zhang & Sennrich, 2019): a scale, no mean, no bias."""
-    return LayerNorm(cfg, center=False, features=features, rngs=rngs)
+    return LayerNorm(cfg, center=False, features=features, unit_offset=unit_offset, rngs=rngs)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: tuple = ()) -> jax.Array:
@@ -218,11 +226,9 @@ def rope_scaling(cfg: ModelConfig) -> tuple:
             cfg.rope_original_context)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
-               scaling: tuple = ()) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, freq: jax.Array) -> jax.Array:
     """Rotate feature pairs (i, i + H/2) of x [B, T, N, H] by angles positions * frequency i
-    (`rope_frequencies`)."""
-    freq = rope_frequencies(x.shape[-1], theta, scaling)  # [H/2]
+    (`rope_frequencies`, [H/2])."""
     angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -238,12 +244,17 @@ def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array
 
 class Attention(nnx.Module):
     """Causal multi-head self-attention with grouped-query heads, optional rotary positions,
-    optional query and key norms (`qk_norm`: RMSNorm over each head's features, as Qwen3) and
-    an optional key/value cache for decoding."""
+    optional query and key norms (`qk_norm`: RMSNorm over each head's features, as Qwen3 and
+    Gemma 3) and an optional key/value cache for decoding. What it sees besides its input (each
+    token's position, its document, the window of a local layer) comes in one record,
+    `masks.AttentionInputs`. Families may scale queries otherwise than 1/sqrt(H) (`query_scale`,
+    Gemma's 1/sqrt(query_pre_attn_scalar)) and rotate local layers' keys and queries at their
+    own base (`local_rope_theta`: Gemma 3's sliding layers)."""
 
     def __init__(self, cfg: ModelConfig, *, use_bias: bool, rope: bool, init: Initializer,
                  out_init: Initializer, qk_norm: bool = False, out_bias: bool | None = None,
-                 rngs: nnx.Rngs):
+                 query_scale: float = 0.0, local_rope_theta: float = 0.0,
+                 norm_offset: bool = False, rngs: nnx.Rngs):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
         out_bias = use_bias if out_bias is None else out_bias
@@ -256,37 +267,55 @@ class Attention(nnx.Module):
         self.out = Dense("BTNH,NHD->BTD", (N, H, D), ("heads", "kv", "embed"), init=out_init,
                          **{**common, "use_bias": out_bias})
         self.rope = (cfg.rope_theta, rope_scaling(cfg)) if rope else None
+        self.local_theta = local_rope_theta  # 0: local layers rotate as the global ones
+        # Queries pre-scaled where the family's scale is not the kernels' 1/sqrt(H).
+        self.q_scale = query_scale * H ** 0.5 if query_scale else 1.0
         if qk_norm:  # one scale per head feature, shared by the heads, as Qwen3's
-            self.q_norm = RMSNorm(cfg, features=("kv", H), rngs=rngs)
-            self.k_norm = RMSNorm(cfg, features=("kv", H), rngs=rngs)
+            self.q_norm = RMSNorm(cfg, features=("kv", H), unit_offset=norm_offset, rngs=rngs)
+            self.k_norm = RMSNorm(cfg, features=("kv", H), unit_offset=norm_offset, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
-                 kv: tuple[jax.Array, jax.Array] | None = None,
-                 segments: jax.Array | None = None):
-        """Attend over x [B, T, D] at `positions` [B, T] (each token's place in its document);
-        with `segments` [B, T] (equal ids: one document) a query sees the keys of its own
-        document only; with a cache `kv`, the cached keys of its row up to its position."""
+    def frequencies(self, head_dim: int, attn: AttentionInputs) -> jax.Array:
+        """The rotary frequencies [H/2] of this layer: the global ones, or a local layer's
+        (a window set, with a local base: Gemma 3) at `local_theta` without scaling."""
+        freq = rope_frequencies(head_dim, *self.rope)
+        if not (self.local_theta and attn.windowed):
+            return freq
+        return jnp.where(jnp.asarray(attn.window) > 0,
+                         rope_frequencies(head_dim, self.local_theta), freq)
+
+    def __call__(self, x: jax.Array, attn: AttentionInputs,
+                 kv: tuple[jax.Array, jax.Array] | None = None):
+        """Attend over x [B, T, D] as `attn` says (each token's position in its document, its
+        document, the layer's window); with a cache `kv`, to the cached keys of its row up to
+        its position (and within its window)."""
         q, k, v = self.query(x), self.key(x), self.value(x)  # [B, T, N, H], [B, T, K, H] x2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q = apply_rope(q, positions, *self.rope)
-            k = apply_rope(k, positions, *self.rope)
+            freq = self.frequencies(q.shape[-1], attn)
+            q, k = apply_rope(q, attn.positions, freq), apply_rope(k, attn.positions, freq)
+        if self.q_scale != 1.0:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
         if kv is None:
             # Where the rules split the sequence over devices, attention is the one layer
             # that needs the others' positions: a collective region of its own.
             split = sharding.active_ways("seq") > 1
             y = (parallel.causal_attention if split else kernels.active().causal_attention)(
-                q, k, v, segments)  # [B, T, N, H]
+                q, k, v, attn)  # [B, T, N, H]
         else:
             # Each row writes at its own offset; a key is visible when its position is at most
-            # the query's, which also hides stale entries beyond a row's current length.
+            # the query's (and within its window), which also hides stale entries beyond a
+            # row's current length.
+            positions = attn.positions
             k_cache = write_cache(kv[0], k.astype(kv[0].dtype), positions[:, 0])  # [B, S, K, H]
             v_cache = write_cache(kv[1], v.astype(kv[1].dtype), positions[:, 0])
             key_pos = jnp.arange(k_cache.shape[1])
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+            if attn.windowed:
+                mask = mask & within_window(positions, jnp.broadcast_to(
+                    key_pos, (positions.shape[0], key_pos.shape[0])), attn.window)[:, None]
             y = kernels.active().cached_attention(q, k_cache.astype(q.dtype),
                                                   v_cache.astype(q.dtype), mask)
             kv = (k_cache, v_cache)

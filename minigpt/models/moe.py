@@ -43,7 +43,7 @@ from minigpt.sharding import constrain
 normal = nnx.initializers.normal(0.02)
 
 # The module holding the experts' weights, stacked [E, ...]: the optimizer treats each expert's
-# matrices as matrices of their own (minigpt.train.optimizer.muon_dimensions).
+# matrices as matrices of their own (minigpt.optim.optimizer.muon_dimensions).
 STACKED_EXPERTS = "experts"
 
 

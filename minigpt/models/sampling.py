@@ -20,8 +20,9 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-import minigpt.models.kernels as kernels
+import minigpt.models.fp8 as fp8
 from minigpt.models.decoder import DecoderLM
+from minigpt.models.execution import compute_dtype
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
@@ -55,10 +56,20 @@ def decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Arr
     """Prefill right-padded prompts [B, P] and sample up to `limit` (<= max_new) tokens per row;
     a row is done after any of `stop_ids`, and rows done give the first of them (-1 without
     any). New token i of this call is token `start + i` of the story: its key is
-    fold_in(rng, start + i), so where a story's windows begin changes no draw."""
+    fold_in(rng, start + i), so where a story's windows begin changes no draw. Its products
+    are plain ones whatever `model.fp8` says (`fp8.suspended`: one token a row is bound by
+    reading the weights, which FP8 would quantize afresh every step)."""
+    with fp8.suspended():
+        return _decode(model, tokens, lengths, rng, limit, start, done, max_new=max_new,
+                       cache_len=cache_len, temperature=temperature, top_k=top_k, top_p=top_p,
+                       stop_ids=stop_ids, stream=stream)
+
+
+def _decode(model, tokens, lengths, rng, limit, start, done, *, max_new, cache_len,
+            temperature, top_k, top_p, stop_ids, stream):
     eot_id = stop_ids[0] if stop_ids else -1
     B, P = tokens.shape
-    cache = model.init_cache(B, cache_len, dtype=kernels.compute_dtype(model.config.dtype))
+    cache = model.init_cache(B, cache_len, dtype=compute_dtype(model.config.dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     logits, cache = model.decode(tokens, positions, cache)  # [B, P, V]
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]

@@ -16,7 +16,6 @@ mesh axis; the axis comes from the rules (`minigpt.sharding`).
   device's rows and heads.
 """
 
-from minigpt.parallel.blocks import TILE
 from minigpt.parallel.local import NotLocal, attention_on_each_device
 from minigpt.parallel.ring import (
     Ring,
@@ -27,5 +26,5 @@ from minigpt.parallel.ring import (
     sequence_order,
 )
 
-__all__ = ["TILE", "NotLocal", "Ring", "active_ring", "attention_on_each_device",
+__all__ = ["NotLocal", "Ring", "active_ring", "attention_on_each_device",
            "causal_attention", "check_length", "dual_chunk_order", "sequence_order"]

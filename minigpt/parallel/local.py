@@ -13,10 +13,11 @@ from __future__ import annotations
 import jax
 
 from minigpt import sharding
+from minigpt.errors import UserError
 from minigpt.sharding.presets import mesh_axes_in, resolve_spec
 
 
-class NotLocal(ValueError):
+class NotLocal(UserError, ValueError):
     """The operands are split in a way a per-device kernel cannot follow; the message says how."""
 
 

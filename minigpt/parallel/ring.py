@@ -24,8 +24,8 @@ from the chunks' global positions; a pair of chunks whose keys all come after it
 skipped (`lax.cond`), not masked, so after its own block each device does half a block per step,
 every device the same.
 
-Within a pair of chunks the queries go TILE at a time (`minigpt.parallel.blocks`), so no score
-array exceeds [TILE, T/N] per head and the temporaries grow linearly in T/N. Dimension letters
+Within a pair of chunks the queries go a tile at a time (`minigpt.parallel.blocks`), so no score
+array exceeds [tile, T/N] per head and the temporaries grow linearly in T/N. Dimension letters
 as in `minigpt.models.layers`; C is the positions of one chunk, G the query heads sharing a
 key/value head (N = K G).
 
@@ -105,12 +105,13 @@ def sequence_order(T: int) -> np.ndarray | None:
     return dual_chunk_order(T, ring.devices)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                     segments: jax.Array | None = None) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, attn=None) -> jax.Array:
     """Causal self-attention, q [B, T, N, H], k and v [B, T, K, H], over a sequence the active
     rules split along T, in the order `sequence_order(T)` gives; as the context's strategy says.
-    With document ids `segments` [B, T] (in the same order) a query sees its own document's
-    keys only; a document may span devices: the ids travel with the keys.
+    `attn` is the layer's `minigpt.models.masks.AttentionInputs` (in the same order): with
+    document ids a query sees its own document's keys only (a document may span devices: the
+    ids travel with the keys), with a window only the keys within it (the positions travel
+    too).
     """
     ring = active_ring()
     if ring is None:
@@ -119,29 +120,35 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         raise ConfigError(f"unknown train.context_strategy {ring.strategy!r}: choose one of "
                           f"{', '.join(CONTEXT_STRATEGIES)}")
     check_length(q.shape[1], ring.devices, ring.balanced)
-    return _attention(ring, q, k, v, segments)
+    segments = None if attn is None else attn.segment_ids
+    windowed = attn is not None and attn.windowed
+    positions = attn.positions if windowed else None
+    window = jnp.asarray(attn.window, jnp.int32) if windowed else None
+    return _attention(ring, q, k, v, segments, positions, window)
 
 
 # The collective region and its VJP ---------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(ring: Ring, q, k, v, segments):
-    return _attention_fwd(ring, q, k, v, segments)[0]
+def _attention(ring: Ring, q, k, v, segments, positions, window):
+    return _attention_fwd(ring, q, k, v, segments, positions, window)[0]
 
 
-def _attention_fwd(ring: Ring, q, k, v, segments):
+def _attention_fwd(ring: Ring, q, k, v, segments, positions, window):
     seq = jax.P(None, ring.axis)
-    out, lse = jax.shard_map(functools.partial(_forward, ring), in_specs=(seq,) * 4,
-                             out_specs=(seq, seq), axis_names={ring.axis})(q, k, v, segments)
-    return out, (q, k, v, segments, out, lse)
+    out, lse = jax.shard_map(functools.partial(_forward, ring), in_specs=(seq,) * 5 + (jax.P(),),
+                             out_specs=(seq, seq), axis_names={ring.axis})(
+        q, k, v, segments, positions, window)
+    return out, (q, k, v, segments, positions, window, out, lse)
 
 
 def _attention_bwd(ring: Ring, residuals, g):
     seq = jax.P(None, ring.axis)
-    grads = jax.shard_map(functools.partial(_backward, ring), in_specs=(seq,) * 7,
+    specs = (seq,) * 5 + (jax.P(),) + (seq,) * 3
+    grads = jax.shard_map(functools.partial(_backward, ring), in_specs=specs,
                           out_specs=(seq, seq, seq), axis_names={ring.axis})(*residuals, g)
-    return (*grads, None)
+    return (*grads, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -230,29 +237,32 @@ def _gathered_tour(ring: Ring, step, carry, block, d_block=None):
         d_whole, d_block)
 
 
-def _segment_pieces(segments, count: int) -> list:
-    """A device's document ids [B, T] as its `count` chunks [B, C], or Nones without ids."""
-    return [None] * count if segments is None else _pieces(segments, count)
+def _mark_pieces(segments, positions, count: int) -> list:
+    """A device's document ids and positions [B, T] (each or both None) as its `count` chunks'
+    marks: (ids [B, C] or None, positions [B, C] or None) each."""
+    ids = [None] * count if segments is None else _pieces(segments, count)
+    places = [None] * count if positions is None else _pieces(positions, count)
+    return list(zip(ids, places))
 
 
-def _forward(ring: Ring, q, k, v, segments):
-    """One device's queries [B, T/N, N, H] against every device's keys (their document ids
-    travelling with them): the outputs and the log-sum-exp of each query's scores [B, T/N, N]
-    (what the backward pass needs)."""
+def _forward(ring: Ring, q, k, v, segments, positions, window):
+    """One device's queries [B, T/N, N, H] against every device's keys (their document ids and
+    positions travelling with them): the outputs and the log-sum-exp of each query's scores
+    [B, T/N, N] (what the backward pass needs)."""
     B, T, N, H = q.shape
     K, P = k.shape[2], ring.pieces
     queries = _pieces(q * jnp.asarray(H ** -0.5, q.dtype), P, K)  # P x [B, C, K, G, H]
-    q_segments = _segment_pieces(segments, P)
+    q_marks = _mark_pieces(segments, positions, P)
     i = jax.lax.axis_index(ring.axis)
 
     def fold(acc, block, j):
         keys, values = _pieces(block[0], P), _pieces(block[1], P)
-        k_segments = _segment_pieces(block[2], P)
+        k_marks = _mark_pieces(block[2], block[3], P)
 
         def update(acc, a, b, diag):
             acc = list(acc)
             acc[a] = fold_chunk(queries[a], keys[b], values[b], acc[a], diag,
-                                 q_segments[a], k_segments[b])
+                                 q_marks[a], k_marks[b], window)
             return tuple(acc)
 
         return _visit(ring, update, acc, i, j)
@@ -260,21 +270,21 @@ def _forward(ring: Ring, q, k, v, segments):
     shape = queries[0].shape[:-1]  # [B, C, K, G]
     empty = tuple((jnp.zeros((*shape, H), jnp.float32), jnp.full(shape, -jnp.inf),
                    jnp.zeros(shape, jnp.float32)) for _ in range(P))
-    acc = fold(sharding.varying_as(empty, q), (k, v, segments), None)
+    block = (k, v, segments, positions)
+    acc = fold(sharding.varying_as(empty, q), block, None)
     if ring.strategy == "ring":
-        acc, _ = _ring_tour(ring, lambda acc, kv, j: (fold(acc, kv, j), kv), acc,
-                            (k, v, segments))
+        acc, _ = _ring_tour(ring, lambda acc, kv, j: (fold(acc, kv, j), kv), acc, block)
     else:
         acc, _ = _gathered_tour(ring, lambda acc, kv, j: (fold(acc, kv[0], j), None), acc,
-                                (k, v, segments))
+                                block)
     out = jnp.concatenate([o / total[..., None] for o, _, total in acc], axis=1)  # [B,T,K,G,H]
     lse = jnp.concatenate([m + jnp.log(total) for _, m, total in acc], axis=1)  # [B, T, K, G]
     return out.reshape(B, T, N, H).astype(q.dtype), lse.reshape(B, T, N)
 
 
-def _backward(ring: Ring, q, k, v, segments, out, lse, g):
+def _backward(ring: Ring, q, k, v, segments, positions, window, out, lse, g):
     """The gradients of one device's share of q, k and v: the key/value blocks (with their
-    document ids) make the forward's tour again, each with its gradient."""
+    document ids and positions) make the forward's tour again, each with its gradient."""
     B, T, N, H = q.shape
     K, P = k.shape[2], ring.pieces
     scale = H ** -0.5
@@ -283,7 +293,7 @@ def _backward(ring: Ring, q, k, v, segments, out, lse, g):
         return x.astype(jnp.float32)
 
     queries = _pieces(f32(q) * scale, P, K)
-    q_segments = _segment_pieces(segments, P)
+    q_marks = _mark_pieces(segments, positions, P)
     grads = _pieces(f32(g), P, K)
     lses = _pieces(lse.reshape(B, T, K, N // K), P)
     # rowsum(dP * P) = rowsum(dO * O), a sum H long instead of T (as flash attention)
@@ -292,13 +302,13 @@ def _backward(ring: Ring, q, k, v, segments, out, lse, g):
 
     def visit(d_q, block, d_block, j):
         keys, values = _pieces(f32(block[0]), P), _pieces(f32(block[1]), P)
-        k_segments = _segment_pieces(block[2], P)
+        k_marks = _mark_pieces(block[2], block[3], P)
 
         def update(state, a, b, diag):
             d_q, d_keys, d_values = map(list, state)
             dq, d_keys[b], d_values[b] = grad_chunk(
                 queries[a], keys[b], values[b], grads[a], lses[a], deltas[a], d_keys[b],
-                d_values[b], diag, q_segments[a], k_segments[b])
+                d_values[b], diag, q_marks[a], k_marks[b], window)
             d_q[a] = d_q[a] + dq
             return tuple(d_q), tuple(d_keys), tuple(d_values)
 
@@ -308,18 +318,18 @@ def _backward(ring: Ring, q, k, v, segments, out, lse, g):
 
     zeros = sharding.varying_as((jnp.zeros(k.shape, jnp.float32),) * 2, q)
     d_q = sharding.varying_as(tuple(jnp.zeros_like(x) for x in queries), q)
-    d_q, d_own = visit(d_q, (k, v, segments), zeros, None)
+    block = (k, v, segments, positions)
+    d_q, d_own = visit(d_q, block, zeros, None)
     if ring.strategy == "ring":
         def step(d_q, moving, j):
             block, d_block = moving
             d_q, d_block = visit(d_q, block, d_block, j)
             return d_q, (block, d_block)
 
-        d_q, (_, d_block) = _ring_tour(ring, step, d_q, ((k, v, segments), d_own))
+        d_q, (_, d_block) = _ring_tour(ring, step, d_q, (block, d_own))
         d_k, d_v = _hop(ring, d_block)  # the last hop brings every block's gradient home
     else:
         d_q, (d_k, d_v) = _gathered_tour(
-            ring, lambda d_q, pair, j: visit(d_q, pair[0], pair[1], j), d_q,
-            (k, v, segments), d_own)
+            ring, lambda d_q, pair, j: visit(d_q, pair[0], pair[1], j), d_q, block, d_own)
     d_q = jnp.concatenate(d_q, axis=1).reshape(B, T, N, H) * scale
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)

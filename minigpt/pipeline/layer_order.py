@@ -43,11 +43,9 @@ class LayerOrder:
     run starts and leave once when it ends, so no weights move at each step; elsewhere in the
     model's order, and every method does nothing. Checkpoints always hold the model's order."""
 
-    def __init__(self, settings: sharding.Pipeline, num_layers: int, preset: sharding.Preset,
-                 mesh):
-        axis = sharding.pipeline_axis(preset.rules)
-        stages = mesh.shape[axis] if axis and settings.microbatches else 1
-        self.order = circular_positions(settings, stages, num_layers)
+    def __init__(self, layout: sharding.Layout, num_layers: int):
+        stages = layout.stages if layout.pipeline.microbatches else 1
+        self.order = circular_positions(layout.pipeline, stages, num_layers)
 
     def enter(self, *objects) -> None:
         """Move NNX objects (the model, its optimizer) from the model's order into the run's."""

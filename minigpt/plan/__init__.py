@@ -14,12 +14,12 @@ rules give each device's share (`layout`). `compiled` checks a plan against what
 for the real train step.
 """
 
-from minigpt.plan.auto import Choice, budget, choose, resolve
+from minigpt.plan.auto import Choice, Preflight, budget, choose, preflight, resolve
 from minigpt.plan.memory import Memory
 from minigpt.plan.planner import HEADROOM, Estimate, estimate, make_subject, plan_all
 from minigpt.plan.sizes import format_size, parse_size
 from minigpt.plan.speed import Device, Speed, device
 
-__all__ = ["HEADROOM", "Choice", "Device", "Estimate", "Memory", "Speed", "budget", "choose",
-           "device", "estimate", "format_size", "make_subject", "parse_size", "plan_all",
-           "resolve"]
+__all__ = ["HEADROOM", "Choice", "Device", "Estimate", "Memory", "Preflight", "Speed", "budget",
+           "choose", "device", "estimate", "format_size", "make_subject", "parse_size",
+           "plan_all", "preflight", "resolve"]

@@ -36,6 +36,7 @@ from minigpt import sharding
 from minigpt.config import ModelConfig
 from minigpt.models import kernels as kernel_sets
 from minigpt.models import lora
+from minigpt.models.masks import AttentionInputs
 
 try:  # jax's own dead-code elimination, which sees into nested jaxprs
     from jax._src.interpreters.partial_eval import dce_jaxpr
@@ -189,23 +190,28 @@ class BlockTracer:
                 H = cfg.head_dim
                 args = (jax.ShapeDtypeStruct((1, T, split.heads, H), dtype),
                         *[jax.ShapeDtypeStruct((1, T, split.kv_heads, H), dtype)] * 2)
-                segments = jax.ShapeDtypeStruct((1, T), jnp.int32) if self.documents else None
-                return _residuals(kernel_sets.active().causal_attention, args, (segments,),
+                attn = self._attention_inputs(T)
+                return _residuals(kernel_sets.active().causal_attention, args, (attn,),
                                   weights=False)
             x = jax.ShapeDtypeStruct((1, T, cfg.embed_dim), dtype)
             keys = jax.ShapeDtypeStruct((1, T), jax.random.key(0).dtype) if self.dropping \
                 else None
-            segments = jax.ShapeDtypeStruct((1, T), jnp.int32) if self.documents else None
             graphdef = self.graphdef
 
-            def layer(trained, x, frozen, keys, segments):
+            def layer(trained, x, frozen, keys, attn):
                 block = nnx.merge(graphdef, trained, frozen)
-                positions = jnp.arange(T, dtype=jnp.int32)[None]
                 with lora.dropout_keys(keys):
-                    return block(x, positions, None, keys, segments)[0]
+                    return block(x, attn, None, keys)[0]
 
             return _residuals(layer, (self._local(self.trained, split), x),
-                              (self._local(self.frozen, split), keys, segments), weights=True)
+                              (self._local(self.frozen, split), keys, self._attention_inputs(T)),
+                              weights=True)
+
+    def _attention_inputs(self, T: int) -> AttentionInputs:
+        """A row's attention inputs as the step's are: positions, and its documents' ids
+        where documents are kept apart (shapes only)."""
+        row = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        return AttentionInputs(row, row if self.documents else None)
 
 
 def _residuals(fn, args: tuple, consts: tuple, *, weights: bool) -> Sizes:

@@ -1,4 +1,5 @@
-"""`--preset auto`: the fastest preset that applies and fits, chosen before anything is written.
+"""Before a run: `--preset auto` (the fastest preset that applies and fits, chosen before anything
+is written), and the memory check every run makes (`preflight`).
 
 The trainer asks `resolve` first thing: a run whose preset is "auto" gets the preset the plan
 ranks fastest among those that apply to its devices and fit their memory (`minigpt.plan`), and
@@ -6,6 +7,13 @@ says so, with the runner-up and the plan's numbers, in the run's first lines. co
 records the chosen preset as the run's `train.preset`, and beside it that `auto` chose it, so a
 resumed run keeps it. Where no preset fits, the run is refused in one line that gives the
 smallest memory any preset needs and the setting that would help most.
+
+Every run, whatever its preset, asks `preflight` before it allocates anything: the plan of the
+configuration it is about to run, under its layout, against the device's memory. A run that
+cannot fit is refused in one line saying what it needs and what would help, unless the user
+says they know better (`--no-memory-check`); a `model.remat` of "auto" becomes the first policy
+that fits ("none", else "full"); and a time budget learns the step time the plan expects, from
+which its warm-up is fixed when the run starts (`minigpt.runs.resolved`).
 
 The device memory is the devices' own unless `budget` says otherwise (the command line's
 `--device-memory`), a setting of how to choose, not of the run.
@@ -100,9 +108,9 @@ def _alternatives(model_cfg: ModelConfig, train_cfg: TrainConfig,
     if not train_cfg.lora_rank:
         options["LoRA adapters (--set train.lora_rank=8)"] = (
             model_cfg, dataclasses.replace(train_cfg, lora_rank=8), devices)
-    if not model_cfg.remat:
-        options["rematerialisation (--set model.remat=true)"] = (
-            dataclasses.replace(model_cfg, remat=True), train_cfg, devices)
+    if model_cfg.remat_policy in ("auto", "none"):
+        options["rematerialisation (--set model.remat=full)"] = (
+            dataclasses.replace(model_cfg, remat="full"), train_cfg, devices)
     half = train_cfg.batch_size // 2
     if half and half % train_cfg.microbatches == 0:
         options[f"a smaller batch (--batch-size {half})"] = (
@@ -137,12 +145,53 @@ def resolve(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool,
     return dataclasses.replace(train_cfg, preset=best.preset), {"preset_choice": record}
 
 
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    """What the plan says of the run about to start: the remat policy an "auto" one becomes,
+    the plan of the configuration as it will run, and (asked for a time budget) the step time
+    it expects."""
+
+    remat: str
+    estimate: planner.Estimate
+    step_seconds: float | None
+
+
+def preflight(model_cfg: ModelConfig, train_cfg: TrainConfig, layout, *, enforce: bool = True,
+              say=print) -> Preflight:
+    """The plan of this run under its `layout` (a checked `sharding.Layout`) on the devices
+    here, against their memory: ConfigError (one line: what it needs, what a device has, what
+    would help) where nothing fits and `enforce`; else a warning line and the run goes on."""
+    devices = layout.mesh.size
+    memory, source = (_memory.get(), "given") if _memory.get() else present_memory(devices)
+    device = speed.device(None, model_cfg.dtype, devices) if train_cfg.time_budget else None
+    policies = ("none", "full") if model_cfg.remat_policy == "auto" else (model_cfg.remat_policy,)
+    for policy in policies:
+        plan = planner.estimate(dataclasses.replace(model_cfg, remat=policy), train_cfg,
+                                layout.preset, devices, device_memory=memory, headroom=0.0,
+                                device=device)
+        if not plan.applies or plan.fits:
+            break
+    else:
+        needs = (f"preset {layout.name} needs about {format_size(plan.total)} per device "
+                 f"({_parts(plan.memory)}), and a device here has {format_size(memory)} "
+                 f"({source})")
+        if enforce:
+            raise ConfigError(f"{needs}: lower --batch-size or --seq-len, set model.remat=full, "
+                              f"or choose a preset that splits more (python -m minigpt.plan "
+                              f"compares them); --no-memory-check tries anyway")
+        say(f"warning: {needs}; going on as --no-memory-check asks")
+    seconds = plan.speed.seconds if plan.applies and plan.speed is not None else None
+    return Preflight(remat=policy, estimate=plan, step_seconds=seconds)
+
+
+def _parts(m) -> str:
+    return (f"parameters {format_size(m.parameters)}, gradients {format_size(m.gradients)}, "
+            f"optimizer {format_size(m.optimizer)}, activations {format_size(m.activations)}")
+
+
 def _numbers(estimate: planner.Estimate) -> str:
-    m = estimate.memory
-    return (f"{format_size(m.total)} per device: parameters {format_size(m.parameters)}, "
-            f"gradients {format_size(m.gradients)}, optimizer {format_size(m.optimizer)}, "
-            f"activations {format_size(m.activations)}; about {estimate.speed.seconds:.3g} "
-            f"s/step")
+    return (f"{format_size(estimate.memory.total)} per device: {_parts(estimate.memory)}; "
+            f"about {estimate.speed.seconds:.3g} s/step")
 
 
 def _chosen_before(train_cfg: TrainConfig) -> dict[str, Any] | None:

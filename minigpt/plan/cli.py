@@ -3,6 +3,7 @@
     python -m minigpt.plan --model llama-15m --devices 8 --device-memory 16GiB
     python -m minigpt.plan --hf path/to/Llama-3.2-1B --devices 8 --device-memory 80GB --json
     python -m minigpt.plan --run runs/demo --compile
+    python -m minigpt.plan --recipe stories-gpu --device-memory 80GB
 
 For a zoo model, a run directory or a Hugging Face folder (or its config.json), a device count,
 the memory of each device and the training settings that change memory (`--batch-size`,
@@ -20,16 +21,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import minigpt.plan.planner as planner
 import minigpt.plan.speed as speed
-import minigpt.train.cli as train_cli
-from minigpt import runtime, sharding
+from minigpt import runtime
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
+from minigpt.errors import exit_code
+from minigpt.models import execution
 from minigpt.plan.sizes import format_size, parse_size, present_memory
+from minigpt.runs import resolved
+from minigpt.runs.overrides import parse_overrides, recipe_configs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a run directory: its model and training settings")
     source.add_argument("--hf", metavar="PATH",
                         help="a Hugging Face model folder, or its config.json")
+    source.add_argument("--recipe", metavar="NAME",
+                        help="a recipe (recipes/NAME.toml, or a .toml path): its model and "
+                             "training settings, as python -m minigpt.train --recipe runs them")
     p.add_argument("--devices", type=int, default=0,
                    help="plan for this many devices; on a CPU, simulates them (default: the "
                         "devices present)")
@@ -61,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan only this preset (repeatable; default: every shipped preset)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config field as python -m minigpt.train takes it, e.g. "
-                        "--set model.remat=true --set train.lora_rank=8")
+                        "--set model.remat=full --set train.lora_rank=8")
     p.add_argument("--json", action="store_true", help="print one JSON list, an object per preset")
     p.add_argument("--compile", action="store_true",
                    help="also compile the real train step under each preset that applies and "
@@ -81,6 +87,8 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
         path = Path(args.hf)
         model_cfg = hf_config(path)
         train_cfg = TrainConfig(model=(path.parent if path.is_file() else path).name)
+    elif args.recipe:
+        model_cfg, train_cfg = recipe_configs(args.recipe)
     else:
         from minigpt.models import get_config
 
@@ -88,7 +96,7 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
         train_cfg = TrainConfig(model=args.model or TrainConfig.model)
     given = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
              if v is not None}
-    changes = train_cli.parse_overrides(args.set)
+    changes = parse_overrides(args.set)
     model_cfg = dataclasses.replace(model_cfg, **changes["model"])
     train_cfg = dataclasses.replace(train_cfg, **{**given, **changes["train"]})
     if train_cfg.seq_len > model_cfg.context_len:
@@ -115,21 +123,25 @@ def hf_config(path: Path) -> ModelConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.devices:
-        runtime.set_simulated_devices(args.devices)
-    from minigpt.checkpoint import CheckpointError
-    from minigpt.hub.architectures import HubError
-    from minigpt.runs import RunError
+    with runtime.plain_warnings():
+        return exit_code(lambda: _plan(args))
 
-    try:
-        with runtime.plain_warnings():
-            return _plan(args)
-    except (ConfigError, sharding.PresetError, RunError, HubError, CheckpointError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse device counts and headroom that mean nothing, before anything is built."""
+    from minigpt.runs import MAX_DEVICES
+
+    if args.devices and not 1 <= args.devices <= MAX_DEVICES:
+        raise ConfigError(f"--devices {args.devices}: plan for 1 to {MAX_DEVICES:,} devices")
+    if not 0 <= args.headroom < 1:  # also refuses nan, which no comparison holds for
+        raise ConfigError(f"--headroom {args.headroom}: the share of the memory left free is a "
+                          f"number from 0 to below 1 (default {planner.HEADROOM:g})")
 
 
 def _plan(args: argparse.Namespace) -> int:
+    check_numbers(args)
+    if args.devices and args.compile:  # only compiling needs the devices; a plan needs none
+        runtime.set_simulated_devices(args.devices)
     import jax
 
     model_cfg, train_cfg = resolve_configs(args)
@@ -159,8 +171,8 @@ def _compiled(estimate: planner.Estimate, model_cfg: ModelConfig,
 
     if not estimate.applies:
         return estimate
-    preset = sharding.load_preset(estimate.preset)
-    compiled = compile_step(model_cfg, train_cfg, preset, estimate.pipeline)
+    on = dataclasses.replace(train_cfg, preset=estimate.preset)
+    compiled = compile_step(model_cfg, train_cfg, resolved.layout(model_cfg, on))
     return dataclasses.replace(estimate, compiled_total=compiled.total)
 
 
@@ -168,11 +180,12 @@ def report(estimates: list[planner.Estimate], model_cfg: ModelConfig, train_cfg:
            devices: int, memory: int, memory_source: str, dev: speed.Device,
            headroom: float) -> list[str]:
     """The table: presets that apply, fastest first, then those that do not and why."""
-    seq = train_cfg.seq_len or model_cfg.context_len
-    dtype = model_cfg.dtype if model_cfg.dtype != "auto" else (
-        "float32" if dev.platform == "cpu" else "bfloat16")  # as it computes on that device
+    seq = resolved.seq_len(model_cfg, train_cfg)
+    dtype = execution.compute_dtype(model_cfg.dtype, dev.platform)  # as it computes there
+    policy = model_cfg.remat_policy
+    remat = "" if policy in ("auto", "none") else f", remat {policy}"
     lines = [f"model {train_cfg.model} ({model_cfg.arch}, {model_cfg.num_layers} layers, width "
-             f"{model_cfg.embed_dim}, {dtype}{', remat' if model_cfg.remat else ''}"
+             f"{model_cfg.embed_dim}, {dtype}{remat}"
              f"{f', LoRA rank {train_cfg.lora_rank}' if train_cfg.lora_rank else ''}); batch "
              f"{train_cfg.batch_size} x {seq} tokens"
              + (f" in {train_cfg.microbatches} microbatches" if train_cfg.microbatches > 1

@@ -1,9 +1,9 @@
 """What one device holds of a step under a preset: the mesh, the trainer's checks, local sizes.
 
-A `Layout` is a preset applied to a device count without devices: the mesh is an abstract one
+A `Share` is a run's layout on a device count without devices: the mesh is an abstract one
 (`jax.sharding.AbstractMesh`, sizes and names only), so a plan for 64 devices runs on a laptop.
 Whether the preset applies is decided by the checks the trainer runs, in its order
-(`sharding.resolve_mesh_shape`, `sharding.check_layout`, `sharding.check_divisible`), so a
+(`sharding.resolve_mesh_shape`, `resolved.layout`, `sharding.check_divisible`), so a
 preset the plan refuses is refused with the trainer's own one line. The local sizes are those
 of the arrays each device computes on: its rows of a batch piece, its positions of a sequence,
 its heads, feed-forward units and vocabulary entries, as the preset's rules split the
@@ -18,16 +18,15 @@ import jax
 
 from minigpt import sharding
 from minigpt.config import ModelConfig, TrainConfig
+from minigpt.runs import resolved
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """A preset on a device count, checked, with the local sizes of one device's work."""
+class Share:
+    """A run's layout on a device count (over an abstract mesh), checked, with the local sizes
+    of one device's work."""
 
-    preset: sharding.Preset
-    mesh: jax.sharding.AbstractMesh
-    pipeline: sharding.Pipeline  # microbatches resolved (0 where the preset has no stages)
-    stages: int  # pipeline stages (1: none)
+    layout: sharding.Layout  # pipeline microbatches resolved (0 where the preset has no stages)
     rows: int  # b: sequences of one piece (accumulation and pipeline microbatch) per device
     positions: int  # t: positions of each sequence a device holds
     heads: int  # query heads a device computes
@@ -39,12 +38,28 @@ class Layout:
     model_ways: int  # devices the heads (or feed-forward) are split over (tensor parallelism)
 
     @property
+    def preset(self) -> sharding.Preset:
+        return self.layout.preset
+
+    @property
+    def mesh(self) -> jax.sharding.AbstractMesh:
+        return self.layout.mesh
+
+    @property
+    def pipeline(self) -> sharding.Pipeline:
+        return self.layout.pipeline
+
+    @property
+    def stages(self) -> int:
+        return self.layout.stages
+
+    @property
     def devices(self) -> int:
         return self.mesh.size
 
     def ways(self, logical: str) -> int:
         """How many pieces the rules cut a logical axis into on this mesh (unsized)."""
-        return sharding.ways(self.mesh, self.preset.spec((logical,))[0])
+        return self.layout.ways(logical)
 
 
 def abstract_mesh(preset: sharding.Preset, devices: int) -> jax.sharding.AbstractMesh:
@@ -55,53 +70,40 @@ def abstract_mesh(preset: sharding.Preset, devices: int) -> jax.sharding.Abstrac
 
 
 def check(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.Preset,
-          devices: int, abstract_state, *, model_name: str) -> Layout:
-    """The layout of `preset` on `devices` devices for this run, or the trainer's refusal
+          devices: int, abstract_state) -> Share:
+    """The share of `preset` on `devices` devices for this run, or the trainer's refusal
     (PresetError or ConfigError, one line) where it cannot apply."""
-    mesh = abstract_mesh(preset, devices)
-    seq_len = train_cfg.seq_len or model_cfg.context_len
-    settings = sharding.check_layout(
-        preset, mesh, model=model_name, num_layers=model_cfg.num_layers,
-        batch_size=train_cfg.batch_size, accumulation=train_cfg.microbatches, seq_len=seq_len,
-        pipeline=sharding.Pipeline(microbatches=train_cfg.pipeline_microbatches,
-                                   schedule=train_cfg.pipeline_schedule,
-                                   repeats=train_cfg.pipeline_repeats),
-        context_parallel=sharding.ContextParallel(strategy=train_cfg.context_strategy),
-        num_experts=model_cfg.num_experts)
-    sharding.check_divisible(preset, mesh, abstract_state)
-    return local_sizes(model_cfg, train_cfg, preset, mesh, settings)
+    on = sharding.Layout(preset, abstract_mesh(preset, devices))
+    layout = resolved.layout(model_cfg, train_cfg, on)
+    sharding.check_divisible(layout, abstract_state)
+    return local_sizes(model_cfg, train_cfg, layout)
 
 
-def local_shape(preset: sharding.Preset, mesh, axes: tuple, shape: tuple[int, ...]) -> list[int]:
+def local_shape(layout: sharding.Layout, axes: tuple, shape: tuple[int, ...]) -> list[int]:
     """The shape one device holds of an array with these logical axes and this global shape."""
-    spec = preset.spec(axes, shape, mesh)
-    return [size // sharding.ways(mesh, entry) for size, entry in zip(shape, spec)]
+    spec = layout.spec(axes, shape)
+    return [size // sharding.ways(layout.mesh, entry) for size, entry in zip(shape, spec)]
 
 
-def local_sizes(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.Preset, mesh,
-                settings: sharding.Pipeline) -> Layout:
+def local_sizes(model_cfg: ModelConfig, train_cfg: TrainConfig,
+                layout: sharding.Layout) -> Share:
     """Each device's share of the activations: the batch and sequence first (as the compiled
     step's activations are laid out, [batch, seq, ...]), then what the rules leave to the heads,
     the feed-forward and the vocabulary (tensor parallelism)."""
     cfg = model_cfg
-    axis = sharding.pipeline_axis(preset.rules)
-    stages = mesh.shape[axis] if axis else 1
-    B = train_cfg.batch_size // train_cfg.microbatches // max(settings.microbatches, 1)
-    T = train_cfg.seq_len or cfg.context_len
+    B = train_cfg.batch_size // train_cfg.microbatches // max(layout.pipeline.microbatches, 1)
+    T = resolved.seq_len(model_cfg, train_cfg)
     H = cfg.head_dim
-    b, t, n, _ = local_shape(preset, mesh, ("batch", "seq", "heads", "kv"),
-                             (B, T, cfg.num_heads, H))
-    k = local_shape(preset, mesh, ("batch", "seq", "kv_heads", "kv"), (B, T, cfg.kv_heads, H))[2]
-    f = local_shape(preset, mesh, ("batch", "seq", "mlp"), (B, T, cfg.expert_dim))[2]
-    v = local_shape(preset, mesh, ("batch", "seq", "vocab"), (B, T, cfg.padded_vocab))[2]
+    b, t, n, _ = local_shape(layout, ("batch", "seq", "heads", "kv"), (B, T, cfg.num_heads, H))
+    k = local_shape(layout, ("batch", "seq", "kv_heads", "kv"), (B, T, cfg.kv_heads, H))[2]
+    f = local_shape(layout, ("batch", "seq", "mlp"), (B, T, cfg.expert_dim))[2]
+    v = local_shape(layout, ("batch", "seq", "vocab"), (B, T, cfg.padded_vocab))[2]
     if n % k:  # a split that leaves whole query groups nowhere: every device keeps its own
         k = n
-    return Layout(preset=preset, mesh=mesh, pipeline=settings, stages=stages, rows=b,
-                  positions=t, heads=n, kv_heads=k, mlp=f, vocab=v,
-                  batch_ways=B // b, seq_ways=T // t, model_ways=cfg.num_heads // n)
+    return Share(layout=layout, rows=b, positions=t, heads=n, kv_heads=k, mlp=f, vocab=v,
+                 batch_ways=B // b, seq_ways=T // t, model_ways=cfg.num_heads // n)
 
 
-def state_bytes(layout: Layout, state) -> int:
+def state_bytes(share: Share, state) -> int:
     """Bytes one device holds of an (abstract) NNX state laid out by the preset."""
-    rows = sharding.describe(layout.preset, layout.mesh, state)
-    return sum(r["bytes_per_device"] for r in rows)
+    return sum(r["bytes_per_device"] for r in sharding.describe(share.layout, state))

@@ -38,7 +38,8 @@ from minigpt import pipeline, sharding
 from minigpt.config import ModelConfig, TrainConfig
 from minigpt.models import loss as fused
 from minigpt.plan.activations import BlockTracer, Split
-from minigpt.plan.layout import Layout, local_shape
+from minigpt.plan.layout import Share, local_shape
+from minigpt.runs import resolved
 
 F32 = 4
 # The optimizer updates one weight at a time; its temporaries (the new moments and the update)
@@ -80,7 +81,7 @@ class Subject:
 
     @property
     def seq_len(self) -> int:
-        return self.train_cfg.seq_len or self.model_cfg.context_len
+        return resolved.seq_len(self.model_cfg, self.train_cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +100,13 @@ class Held:
         return next((r for r in self.rows if r["name"] == name), None)
 
 
-def estimate_memory(subject: Subject, layout: Layout) -> Memory:
+def estimate_memory(subject: Subject, layout: Share) -> Memory:
     """The bytes one device holds at the peak of the step under `layout`."""
-    held = Held(sharding.describe(layout.preset, layout.mesh, subject.params),
-                {r["name"] for r in sharding.describe(layout.preset, layout.mesh,
-                                                       subject.trainable)})
+    held = Held(sharding.describe(layout.layout, subject.params),
+                {r["name"] for r in sharding.describe(layout.layout, subject.trainable)})
     params = held.bytes()
     grads = held.bytes(trained=True)
-    opt = sum(r["bytes_per_device"] for r in sharding.describe(layout.preset, layout.mesh,
+    opt = sum(r["bytes_per_device"] for r in sharding.describe(layout.layout,
                                                                 subject.optimizer))
     phases = (pipeline_phases if layout.stages > 1 else stack_phases)(subject, layout, held)
     largest = max([r["bytes_per_device"] for r in held.rows if r["name"] in held.trained]
@@ -128,7 +128,7 @@ def act_bytes(cfg: ModelConfig) -> int:
     return jnp.dtype(cfg.dtype).itemsize
 
 
-def layer_bytes(subject: Subject, layout: Layout, remat: bool) -> tuple[int, int, int]:
+def layer_bytes(subject: Subject, layout: Share, remat: bool) -> tuple[int, int, int]:
     """(kept per layer through the step, recomputed one layer at a time, largest residual),
     bytes per device: the traced residuals, or under remat the layer's input."""
     trace = subject.tracer.layer(Split(layout.heads, layout.kv_heads, layout.mlp),
@@ -142,10 +142,10 @@ def layer_bytes(subject: Subject, layout: Layout, remat: bool) -> tuple[int, int
     return saved, 0, trace.largest * b
 
 
-def stack_phases(subject: Subject, layout: Layout, held: Held) -> dict[str, dict[str, int]]:
+def stack_phases(subject: Subject, layout: Share, held: Held) -> dict[str, dict[str, int]]:
     """The loss and the backward pass without a pipeline (see the module docstring)."""
     cfg = subject.model_cfg
-    kept, recomputed, largest = layer_bytes(subject, layout, cfg.remat)
+    kept, recomputed, largest = layer_bytes(subject, layout, cfg.remat_policy == "full")
     x = layout.rows * layout.positions * cfg.embed_dim * act_bytes(cfg)
     # A scan keeps each residual of every layer in one stacked buffer [L, ...].
     stacked = cfg.num_layers if cfg.scan_layers else 1
@@ -154,7 +154,7 @@ def stack_phases(subject: Subject, layout: Layout, held: Held) -> dict[str, dict
              "gradients": held.bytes(blocks=True, trained=True) + _table_gradient(held),
              "accumulated gradients": held.bytes(trained=True)
              if subject.train_cfg.microbatches > 1 else 0,
-             "largest residual": stacked * (largest if not cfg.remat else kept)}
+             "largest residual": stacked * (largest if cfg.remat_policy != "full" else kept)}
     loss = loss_bytes(subject, layout, held)
     gathered = _gathered_layer(subject, layout, held)
     # The last layer's forward: its temporaries beside every residual, the dropout masks'
@@ -171,7 +171,7 @@ def stack_phases(subject: Subject, layout: Layout, held: Held) -> dict[str, dict
     }
 
 
-def _expert_copies(layout: Layout, held: Held, cfg: ModelConfig) -> int:
+def _expert_copies(layout: Share, held: Held, cfg: ModelConfig) -> int:
     """A mixture of experts' weights as its dispatch region holds them beyond the residuals
     traced: whole on every device (gathered where FSDP splits them) or, where tokens travel to
     their experts, this device's experts and the whole set its fallback gathers; an unrolled
@@ -204,7 +204,7 @@ def _head(held: Held) -> dict | None:
     return held.named("output.kernel") or held.named("tokens.table")
 
 
-def loss_bytes(subject: Subject, layout: Layout, held: Held, *,
+def loss_bytes(subject: Subject, layout: Share, held: Held, *,
                positions: int | None = None) -> dict[str, int]:
     """The loss's buffers at its peak, per device, for `positions` of each sequence (default:
     all the device holds): the fused loss's chunk of logits and per-device accumulator of the
@@ -247,7 +247,7 @@ def loss_bytes(subject: Subject, layout: Layout, held: Held, *,
             "largest logits": logits}
 
 
-def _rows_beside(layout: Layout, head: dict | None) -> int:
+def _rows_beside(layout: Share, head: dict | None) -> int:
     """Over how many devices each device's rows of the loss are kept beside the others': those
     of the rows' devices that do not split the head's vocabulary, where some do."""
     if head is None:
@@ -267,21 +267,21 @@ def _chunk_len(batch: int, seq: int, vocab: int) -> int:
     return max([c for c in range(1, seq + 1) if seq % c == 0 and batch * c <= most] or [1])
 
 
-def _row_axes(layout: Layout) -> set[str]:
+def _row_axes(layout: Share) -> set[str]:
     return set(layout.preset.mesh_axes_of("batch")) | set(layout.preset.mesh_axes_of("seq"))
 
 
-def _head_bytes(subject: Subject, layout: Layout) -> int:
+def _head_bytes(subject: Subject, layout: Share) -> int:
     """The fused loss's accumulator of the head's gradient on one device: [V, D] split by
     what the rules leave to the vocabulary after the rows take the batch's and sequence's
     devices (float32)."""
     cfg = subject.model_cfg
     shape = (layout.batch_ways * layout.seq_ways, cfg.padded_vocab, cfg.embed_dim)
-    _, v, d = local_shape(layout.preset, layout.mesh, (("batch", "seq"), "vocab", "embed"), shape)
+    _, v, d = local_shape(layout.layout, (("batch", "seq"), "vocab", "embed"), shape)
     return v * d * F32
 
 
-def _gathered_head(layout: Layout, head: dict | None, accumulator: int) -> int:
+def _gathered_head(layout: Share, head: dict | None, accumulator: int) -> int:
     """The head's weights gathered for the loss's products (two copies: the logits' and their
     gradient's), where the rules split their embedding axis over the rows' devices."""
     if head is None:
@@ -290,7 +290,7 @@ def _gathered_head(layout: Layout, head: dict | None, accumulator: int) -> int:
     return 2 * accumulator if split & _row_axes(layout) else 0
 
 
-def _gathered_layer(subject: Subject, layout: Layout, held: Held) -> int:
+def _gathered_layer(subject: Subject, layout: Share, held: Held) -> int:
     """One layer's weights as its compute gathers them where the rules split them over the
     rows' devices (FSDP), bytes per device; 0 where nothing is gathered."""
     rows = _row_axes(layout)
@@ -308,7 +308,7 @@ def _gathered_layer(subject: Subject, layout: Layout, held: Held) -> int:
     return gathered
 
 
-def pipeline_phases(subject: Subject, layout: Layout, held: Held) -> dict[str, dict[str, int]]:
+def pipeline_phases(subject: Subject, layout: Share, held: Held) -> dict[str, dict[str, int]]:
     """A pipeline stage's ticks: the head's share of the positions, the embedding's backward
     and one chunk of layers recomputed for its backward, each beside the stage's buffers of
     stage inputs, its float32 gradients and the trees of gradients its ticks return for the
@@ -337,7 +337,7 @@ def pipeline_phases(subject: Subject, layout: Layout, held: Held) -> dict[str, d
     }
 
 
-def _pipeline_head(subject: Subject, layout: Layout, held: Held) -> dict[str, int]:
+def _pipeline_head(subject: Subject, layout: Share, held: Held) -> dict[str, int]:
     """The head's share of the positions in a pipeline stage: the loss's chunk of logits, their
     exponentials and gradient at once, and where the rules split the vocabulary over the rows'
     devices the head's gradient accumulator and another chunk, where they split its embedding

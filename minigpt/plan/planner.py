@@ -15,15 +15,15 @@ from typing import Any
 
 from flax import nnx
 
+import minigpt.optim.state as adapters
 import minigpt.plan.layout as layouts
 import minigpt.plan.speed as speeds
-import minigpt.train.adapters as adapters
 from minigpt import sharding
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
-from minigpt.models import build_model, lora
-from minigpt.models import kernels as kernel_sets
+from minigpt.models import build_model, execution, lora
 from minigpt.plan.activations import BlockTracer
 from minigpt.plan.memory import Memory, Subject, estimate_memory
+from minigpt.runs import resolved
 
 # The share of a device's memory a plan leaves free: XLA's own buffers, fragmentation, what
 # the plan does not see. A preset fits when its total is at most (1 - HEADROOM) of the memory.
@@ -69,13 +69,12 @@ def make_subject(model_cfg: ModelConfig, train_cfg: TrainConfig, *,
     """The abstract model and optimizer of a run (shapes only), once for every preset;
     `platform` ("cpu", "gpu", "tpu"; default the backend present) decides what "auto" means
     for the model's kernels and compute dtype (`minigpt.models.kernels`), as it would there."""
-    wanted = adapters.requested(train_cfg)
+    wanted = resolved.adapters(train_cfg)
     if wanted is not None:  # targets named by the architecture, as the trainer refuses them
         plain = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
         lora.check_targets(plain, wanted.targets, model_cfg.arch)
-    kernels = kernel_sets.resolve(model_cfg.kernels, platform)
-    model_cfg = dataclasses.replace(
-        model_cfg, dtype=kernel_sets.compute_dtype(model_cfg.dtype, platform))
+    model_cfg = execution.for_backend(model_cfg, platform)
+    kernels = model_cfg.kernels
     model, optimizer = nnx.eval_shape(lambda: adapters.build(model_cfg, train_cfg))
     adapted = lora.trainable(model) is nnx.LoRAParam
     dropping = model_cfg.dropout > 0 or (adapted and train_cfg.lora_dropout > 0)
@@ -95,8 +94,7 @@ def estimate(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: str | shard
     subject = subject or make_subject(model_cfg, train_cfg)
     preset = preset if isinstance(preset, sharding.Preset) else sharding.load_preset(preset)
     try:
-        layout = layouts.check(model_cfg, train_cfg, preset, devices, subject.state,
-                               model_name=train_cfg.model)
+        layout = layouts.check(model_cfg, train_cfg, preset, devices, subject.state)
     except (sharding.PresetError, ConfigError) as error:
         return Estimate(preset=preset.name, applies=False, why=str(error),
                         device_memory=device_memory, headroom=headroom)

@@ -17,13 +17,23 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# The sizes a device's memory may be given as: a mebibyte (less holds no model) to an exbibyte.
+SMALLEST, LARGEST = 2**20, 2**60
+
+
 def parse_size(text: str, what: str = "--device-memory") -> int:
-    """Bytes from "16GiB", "80GB", "512MiB", "1.5TB" or "17179869184" (ConfigError otherwise)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    """Bytes from "16GiB", "80GB", "512MiB", "1.5TB" or "17179869184" (ConfigError otherwise,
+    and for sizes outside 1 MiB to 1 EiB: a typo, not a device)."""
+    match = re.fullmatch(r"\s*([0-9]{1,30}\.?[0-9]{0,30})\s*([a-zA-Z]*)\s*", str(text)[:100])
     unit = match and match.group(2).lower()
-    if not match or unit not in UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(f"{what} {text!r}: give a size such as 16GiB, 80GB or 512MiB")
-    return int(float(match.group(1)) * UNITS[unit])
+    if not match or unit not in UNITS or match.group(1) in ("", "."):
+        raise ConfigError(f"{what} {str(text)[:40]!r}: give a size such as 16GiB, 80GB or "
+                          f"512MiB")
+    size = float(match.group(1)) * UNITS[unit]
+    if not SMALLEST <= size <= LARGEST:
+        raise ConfigError(f"{what} {str(text)[:40]!r} is {format_size(size)}: a device's "
+                          f"memory is between 1MiB and 1EiB; give a size such as 16GiB")
+    return int(size)
 
 
 def format_size(n: float) -> str:

@@ -2,7 +2,7 @@
 
 A step's time is taken as the sum of three parts, each from what the preset makes one device do:
 
-- compute: the step's FLOPs (`minigpt.train.flops`: 6 per weight and token, attention, the
+- compute: the step's FLOPs (`minigpt.models.flops`: 6 per weight and token, attention, the
   head), a device's share of them, plus the forward recomputed under remat and in a pipeline
   stage's backward, over the device's peak FLOP/s; a pipeline on real devices also waits its
   bubble, (S - 1) / (R M + S - 1) of the step;
@@ -32,8 +32,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+import minigpt.models.flops as flops
 import minigpt.plan.layout as layouts
-import minigpt.train.flops as flops
 from minigpt import pipeline, sharding
 from minigpt.config import ConfigError
 
@@ -147,7 +147,7 @@ def estimate(subject, layout, dev: Device) -> Speed:
     blocks = per_token - head
     if train_cfg.lora_rank:  # no weight gradients for the frozen base: 4 FLOPs, not 6
         blocks, head = blocks * 4 / 6, head * 4 / 6
-    recompute = blocks / 3 if (cfg.remat or layout.stages > 1) else 0.0
+    recompute = blocks / 3 if (cfg.remat_policy == "full" or layout.stages > 1) else 0.0
     work = (blocks + head + recompute) * tokens / layout.devices
     bubble = 0.0
     if layout.stages > 1:
@@ -170,10 +170,10 @@ def _collectives(subject, layout) -> tuple[float, int]:
     mesh, preset = layout.mesh, layout.preset
     data_axes = set(preset.mesh_axes_of("batch")) | set(preset.mesh_axes_of("seq"))
     expert_axes = set(preset.mesh_axes_of("expert"))
-    trained = {r["name"] for r in sharding.describe(preset, mesh, subject.trainable)}
-    gathers = 3 if cfg.remat else 2  # forward, backward (and the remat's recompute)
+    trained = {r["name"] for r in sharding.describe(layout.layout, subject.trainable)}
+    gathers = 3 if cfg.remat_policy == "full" else 2  # forward, backward (remat's recompute)
     moved, count = 0.0, 0
-    for r in sharding.describe(preset, mesh, subject.params):
+    for r in sharding.describe(layout.layout, subject.params):
         local = r["bytes_per_device"]
         split = {a for entry in r["spec"] for a in sharding.mesh_axes_in(entry)}
         sharded = [a for a in split & data_axes if a not in expert_axes]

@@ -5,13 +5,19 @@ small TOML file in `presets/` that says how the devices form a mesh and which me
 axis is split over; anything it does not list is replicated. This package loads and checks presets
 and builds the mesh (`presets`), keeps the context model code runs in (`context`, with the
 settings of how to run in `settings`: a pipeline, attention over a split sequence, experts),
-creates model and optimizer state born sharded and says what each device holds (`state`), and
-checks and places batches (`layout`). It depends on nothing of ours but the config and the
-files; the explainer that prints a preset as a table (`python -m minigpt.sharding --model
-minigpt --preset fsdp`) is `minigpt.explain`.
+makes a run's `Layout` (the preset, its mesh and those settings as one value, entered with
+`layout.active()`; it checks and places batches), creates model and optimizer state born
+sharded and says what each device holds (`state`). It depends on nothing of ours but the
+config and the files; the explainer that prints a preset as a table (`python -m
+minigpt.sharding --model minigpt --preset fsdp`) is `minigpt.explain`.
 
 A preset that cannot apply, or a batch it cannot split, is refused with a `PresetError` (or a
 `ConfigError`) before anything is compiled.
+
+    layout = sharding.Layout.make("fsdp")          # the preset, over every device
+    model = sharding.create_sharded(lambda: build_model(cfg, rngs=nnx.Rngs(0)), layout)
+    with layout.active():
+        logits = model(tokens)
 """
 
 from __future__ import annotations
@@ -25,19 +31,15 @@ from minigpt.sharding.context import (
     lay_out,
     logical_to_spec,
     running,
-    use_preset,
     varying_as,
     without_axis,
 )
 from minigpt.sharding.layout import (
-    batch_divisor,
-    batch_sharding,
-    batch_share,
-    check_layout,
+    Layout,
     pipeline_axis,
     put_batch,
-    put_batch_fn,
     sequence_axis,
+    use_preset,
 )
 from minigpt.sharding.presets import (
     LOGICAL_AXES,
@@ -65,14 +67,11 @@ from minigpt.sharding.state import (
     state_shardings,
 )
 
-__all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "ContextParallel", "Experts", "MeshAxes",
-           "Pipeline", "Preset", "PresetError", "Rules", "abstract_sharded", "active",
-           "active_ways", "available_presets", "batch_divisor", "batch_share", "batch_sharding",
-           "check_divisible", "check_layout", "constrain", "create_sharded",
-           "default_microbatches", "degenerate_note", "describe", "jit", "lay_out",
-           "load_preset", "logical_to_spec", "make_mesh", "mesh_axes_in", "pipeline_axis",
-           "put_batch", "put_batch_fn", "replicated_by_shape", "resolve_mesh_shape",
+__all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "ContextParallel", "Experts", "Layout",
+           "MeshAxes", "Pipeline", "Preset", "PresetError", "Rules", "abstract_sharded",
+           "active", "active_ways", "available_presets", "check_divisible", "constrain",
+           "create_sharded", "default_microbatches", "degenerate_note", "describe", "jit",
+           "lay_out", "load_preset", "logical_to_spec", "make_mesh", "mesh_axes_in",
+           "pipeline_axis", "put_batch", "replicated_by_shape", "resolve_mesh_shape",
            "resolve_spec", "running", "sequence_axis", "state_shardings", "use_preset",
            "varying_as", "ways", "without_axis"]
-
-

@@ -1,7 +1,7 @@
 """The context model code runs in: the preset's rules and how to run what they lay out.
 
-It is entered once, at the top (`use_preset`: the mesh, the rules, the pipeline settings, how
-attention runs over a sequence split across devices); a
+It is entered once, at the top (`Layout.active()`, `minigpt.sharding.layout`: the mesh, the
+rules, the pipeline settings, how attention runs over a sequence split across devices); a
 model's entry points add their kernel choice (`running(kernels=...)`). Model code reads it where
 it needs it (`active()`, `logical_to_spec`, `constrain`, `active_ways`) and never takes these
 settings as arguments. Steps compiled with `jit` are keyed on it, so a call under other settings
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt.sharding.presets import Preset, Rules, mesh_axes_in, resolve_spec, ways
+from minigpt.sharding.presets import Rules, mesh_axes_in, resolve_spec, ways
 from minigpt.sharding.settings import ContextParallel, Experts, Pipeline
 
 
@@ -34,6 +34,9 @@ class Context:
     kernels: str = "auto"  # minigpt.models.kernels: "auto" or a set (minigpt.config.KERNELS)
     context_parallel: ContextParallel = ContextParallel()
     experts: Experts = Experts()
+    # Run the Splash attention kernel in Pallas' interpreter (any backend, slowly): how the
+    # tests check the TPU kernel on a CPU (minigpt.models.attention).
+    splash_interpret: bool = False
 
 
 _DEFAULT = Context()
@@ -53,24 +56,6 @@ def running(**changes: Any) -> Iterator[Context]:
         yield _active.get()
     finally:
         _active.reset(token)
-
-
-@contextlib.contextmanager
-def use_preset(preset: Preset, mesh, pipeline: Pipeline | None = None, *,
-               context_parallel: ContextParallel | None = None,
-               experts: Experts | None = None) -> Iterator[None]:
-    """Enter the mesh, the preset's logical-axis rules and how to run (a pipeline, attention
-    over a split sequence, experts; `settings`' defaults where not given): the context for all
-    model code.
-
-    The rules live in our own context rather than `nnx.logical_axis_rules`, because Flax maps each
-    logical name independently and would turn an [embed, mlp] kernel under `fsdp` into the invalid
-    spec ('fsdp', 'fsdp'); `logical_to_spec` resolves such clashes.
-    """
-    with running(rules=preset.rules, pipeline=pipeline or Pipeline(),
-                 context_parallel=context_parallel or ContextParallel(),
-                 experts=experts or Experts()), jax.set_mesh(mesh):
-        yield
 
 
 class _ContextJit:
@@ -153,10 +138,14 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules | None = None) -> j
 
 
 def constrain(x, axes: Sequence[str | None]):
-    """Ask the compiler to lay out activation `x` by logical axes; a no-op outside a preset."""
-    if jax.sharding.get_abstract_mesh().empty or not active().rules:
+    """Ask the compiler to lay out activation `x` by logical axes; a no-op outside a preset. A
+    dimension its mesh axes do not divide (three prompts under `dp` on 8 devices) keeps them
+    for the next one that can use them, as parameters do (`presets.resolve_spec`), rather than
+    asking for a split no device layout has."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not active().rules:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))
+    return jax.lax.with_sharding_constraint(x, resolve_spec(axes, active().rules, x.shape, mesh))
 
 
 def active_ways(logical: str) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from minigpt.errors import UserError
 from minigpt.files import read_named_toml, shipped_folder
 
 PRESETS_DIR = shipped_folder("presets")
@@ -41,7 +42,7 @@ def ways(mesh, entry: MeshAxes) -> int:
     return math.prod(mesh.shape[a] for a in mesh_axes_in(entry))
 
 
-class PresetError(ValueError):
+class PresetError(UserError, ValueError):
     """A preset cannot apply to this model or these devices; the message says why."""
 
 

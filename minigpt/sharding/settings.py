@@ -33,6 +33,9 @@ class ContextParallel:
     # The model runs its positions in dual-chunk order: of 2N chunks, device i holds chunks i
     # and 2N-1-i, so causal attention gives every device the same work.
     balanced: bool = True
+    # Queries per tile of a pair of chunks (minigpt.parallel.blocks): the [tile, C] scores of a
+    # tile stay in cache for small heads and keep the temporaries linear in the chunk length C.
+    tile: int = 128
 
 
 def default_microbatches(stages: int) -> int:

@@ -17,9 +17,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt.sharding.context import use_preset
-from minigpt.sharding.layout import experts_undivided
-from minigpt.sharding.presets import Preset, PresetError, mesh_axes_in, resolve_mesh_shape, ways
+from minigpt.sharding.layout import Layout, as_layout, experts_undivided
+from minigpt.sharding.presets import PresetError, mesh_axes_in, resolve_mesh_shape, ways
 
 
 def _path_name(path: tuple) -> str:
@@ -29,8 +28,9 @@ def _path_name(path: tuple) -> str:
     return ".".join(names[1:] if len(names) > 1 and names[0].isdigit() else names)
 
 
-def check_divisible(preset: Preset, mesh, abstract_state) -> None:
+def check_divisible(layout: Layout, abstract_state) -> None:
     """Refuse a preset that splits a dimension its mesh axes do not divide evenly."""
+    preset, mesh = layout.preset, layout.mesh
     leaves = jax.tree_util.tree_leaves_with_path(
         abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for path, var in leaves:
@@ -39,7 +39,7 @@ def check_divisible(preset: Preset, mesh, abstract_state) -> None:
         axes = var.get_metadata().get("out_sharding")
         if not axes:
             continue
-        spec = preset.spec(axes, var.shape, mesh)
+        spec = layout.spec(axes, var.shape)
         for dim, (size, entry) in enumerate(zip(var.shape, spec)):
             n = ways(mesh, entry)
             if size % n and axes[dim] == "layers":
@@ -58,50 +58,53 @@ def check_divisible(preset: Preset, mesh, abstract_state) -> None:
                     f"another preset")
 
 
-def state_shardings(preset: Preset, mesh, abstract_state):
+def state_shardings(layout: Layout, abstract_state):
     """The NamedSharding of every Variable in an (abstract) NNX state, by the preset's rules."""
     def sharding_of(var):
         axes = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
         shape = var.shape if isinstance(var, nnx.Variable) else None
-        sharding = jax.sharding.NamedSharding(mesh, preset.spec(axes or (), shape, mesh))
+        spec = layout.preset.spec(axes or (), shape, layout.mesh)
+        sharding = jax.sharding.NamedSharding(layout.mesh, spec)
         return var.replace(sharding) if isinstance(var, nnx.Variable) else sharding
 
     return jax.tree.map(sharding_of, abstract_state,
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _laid_out(build: Callable[[], Any], preset: Preset, mesh):
+def _laid_out(build: Callable[[], Any], layout: Layout):
     """`build`'s objects traced for shapes alone: (graphdef, abstract state, each array's
     NamedSharding), after checking that the preset applies to them on this mesh."""
     graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
-    check_divisible(preset, mesh, abstract_state)
-    return graphdef, abstract_state, state_shardings(preset, mesh, abstract_state)
+    check_divisible(layout, abstract_state)
+    return graphdef, abstract_state, state_shardings(layout, abstract_state)
 
 
-def create_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
+def create_sharded(build: Callable[[], Any], layout: Layout, mesh=None) -> Any:
     """Create the NNX objects `build` returns with every array born on its own devices.
 
     `build` runs twice: once abstractly (shapes only) to learn each array's sharding and check
     that the preset applies, then compiled with those output shardings, so no full copy of any
-    parameter ever sits on one device.
+    parameter ever sits on one device. (`create_sharded(build, preset, mesh)`, the spelling
+    before layouts, still works, with a DeprecationWarning.)
     """
-    graphdef, abstract_state, shardings = _laid_out(build, preset, mesh)
-    with use_preset(preset, mesh):
+    layout = as_layout(layout, mesh, where="create_sharded")
+    graphdef, abstract_state, shardings = _laid_out(build, layout)
+    with layout.active():
         state = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 
 
-def abstract_sharded(build: Callable[[], Any], preset: Preset, mesh) -> Any:
+def abstract_sharded(build: Callable[[], Any], layout: Layout) -> Any:
     """The NNX objects `build` returns, shapes only: each array a `jax.ShapeDtypeStruct` with
     the sharding `create_sharded` would give it. A checkpoint is restored into these, so loading
     a run neither compiles nor runs an initialiser whose values would be overwritten."""
-    graphdef, abstract_state, shardings = _laid_out(build, preset, mesh)
+    graphdef, abstract_state, shardings = _laid_out(build, layout)
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_state, shardings)
     return nnx.merge(graphdef, placed)
 
 
-def describe(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
+def describe(layout: Layout, abstract_state) -> list[dict[str, Any]]:
     """One row per array of an abstract NNX state: its name, shape, axes, spec, bytes/device."""
     rows = []
     leaves = jax.tree_util.tree_leaves_with_path(
@@ -110,15 +113,15 @@ def describe(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
         value = var.get_value() if isinstance(var, nnx.Variable) else var
         axes = (var.get_metadata().get("out_sharding") or ()
                 if isinstance(var, nnx.Variable) else ())
-        spec = preset.spec(axes, value.shape, mesh)
-        pieces = math.prod(ways(mesh, entry) for entry in spec)
+        spec = layout.spec(axes, value.shape)
+        pieces = math.prod(ways(layout.mesh, entry) for entry in spec)
         nbytes = math.prod(value.shape) * value.dtype.itemsize
         rows.append({"name": _path_name(path), "shape": tuple(value.shape), "axes": tuple(axes),
                      "spec": spec, "bytes": nbytes, "bytes_per_device": nbytes // pieces})
     return rows
 
 
-def replicated_by_shape(preset: Preset, mesh, abstract_state) -> list[dict[str, Any]]:
+def replicated_by_shape(layout: Layout, abstract_state) -> list[dict[str, Any]]:
     """The arrays the preset's rules name split that end up split fewer ways on this mesh,
     because their dimensions do not divide by the devices (`presets.resolve_spec` leaves the
     mesh axes to no other dimension): fsdp on 3 devices, tp with heads that do not divide.
@@ -130,19 +133,20 @@ def replicated_by_shape(preset: Preset, mesh, abstract_state) -> list[dict[str, 
         axes = var.get_metadata().get("out_sharding") if isinstance(var, nnx.Variable) else None
         if not axes:
             continue
-        asked = math.prod(ways(mesh, entry) for entry in preset.spec(axes))
-        got = math.prod(ways(mesh, entry) for entry in preset.spec(axes, var.shape, mesh))
+        asked = math.prod(ways(layout.mesh, entry) for entry in layout.spec(axes))
+        got = math.prod(ways(layout.mesh, entry) for entry in layout.spec(axes, var.shape))
         if got < asked:
             found.append({"name": _path_name(path), "shape": tuple(var.shape), "asked": asked,
                           "got": got})
     return found
 
 
-def degenerate_note(preset: Preset, mesh, abstract_state, *, most: int = 64) -> str | None:
+def degenerate_note(layout: Layout, abstract_state, *, most: int = 64) -> str | None:
     """One line saying which arrays the preset keeps whole (or split fewer ways than its rules
     ask) on this mesh, and the device counts up to `most` that would split them all; None
     where it splits everything it names."""
-    found = replicated_by_shape(preset, mesh, abstract_state)
+    preset, mesh = layout.preset, layout.mesh
+    found = replicated_by_shape(layout, abstract_state)
     if not found:
         return None
     values = sum(math.prod(f["shape"]) for f in found)
@@ -152,8 +156,8 @@ def degenerate_note(preset: Preset, mesh, abstract_state, *, most: int = 64) -> 
             shape = resolve_mesh_shape(preset, count)
         except PresetError:
             continue
-        other = jax.sharding.AbstractMesh(shape, preset.mesh_axes)
-        if not replicated_by_shape(preset, other, abstract_state):
+        other = layout.replace(mesh=jax.sharding.AbstractMesh(shape, preset.mesh_axes))
+        if not replicated_by_shape(other, abstract_state):
             splitting.append(count)
     counts = (", ".join(map(str, splitting[:6])) + (" ..." if len(splitting) > 6 else "")
               if splitting else "no device count up to 64")

@@ -19,15 +19,17 @@ from typing import Any
 from minigpt import CallableModule
 
 
-def train(model_cfg=None, train_cfg=None, *, resume: bool = False,
-          sample: bool = True) -> dict[str, Any]:
+def train(model_cfg=None, train_cfg=None, *, resume: bool = False, sample: bool = True,
+          check_memory: bool = True) -> dict[str, Any]:
     """Train (or, with `resume`, continue) a model as `train_cfg` (a `TrainConfig`) says;
     returns a summary of the run (`minigpt.train.trainer.train`).
 
     The model is the zoo entry `train_cfg.model` names, or `model_cfg` (a `ModelConfig`: a zoo
     entry changed, or one of your own); `minigpt.train(TrainConfig(...))` gives only the
     first. Given both, a `model_cfg` of another architecture than the zoo entry the name
-    means is refused (ConfigError): the run would record one model and train another."""
+    means is refused (ConfigError): the run would record one model and train another. A run the
+    planner expects not to fit the devices' memory is refused before anything is allocated
+    (`check_memory=False` tries it anyway)."""
     from minigpt.config import ConfigError, ModelConfig, TrainConfig
     from minigpt.models import CONFIGS
     from minigpt.train.trainer import train as run_training
@@ -47,7 +49,8 @@ def train(model_cfg=None, train_cfg=None, *, resume: bool = False,
         raise ConfigError(f"TrainConfig.model is {train_cfg.model!r} (a {zoo.arch} model) but "
                           f"the ModelConfig given is a {model_cfg.arch} model: name the model "
                           f"you train, or give only the TrainConfig")
-    return run_training(model_cfg, train_cfg, resume=resume, sample=sample)
+    return run_training(model_cfg, train_cfg, resume=resume, sample=sample,
+                        check_memory=check_memory)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@ A command line that names no preset, recipe or run that exists is refused before
 import contextlib
 import sys
 
-from minigpt.runtime import relaunch_with_huge_pages
+from minigpt.runtime import relaunch_with_huge_pages, set_gpu_flags
 from minigpt.train.flags import early_refusal
 
 if __name__ == "__main__":
@@ -16,6 +16,7 @@ if __name__ == "__main__":
         print(f"error: {refusal}", file=sys.stderr)
         sys.exit(2)
     relaunch_with_huge_pages()
+    set_gpu_flags()  # before JAX starts its backends
     from minigpt.train import main
 
     with contextlib.suppress(BrokenPipeError):

@@ -1,6 +1,6 @@
 """What a run reads: its training batches and its held-out evaluation.
 
-Each process reads its own rows of every global batch (`sharding.batch_share`). With
+Each process reads its own rows of every global batch (`Layout.batch_share`). With
 `train.document_mask` the batches say where each window's documents start
 (`minigpt.data.documents`), from the tokenizer's begin and end tokens. Evaluation reads the first
 `eval_batches` batches of the validation split in a fixed order and reports nats per token
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import minigpt.data.chats as chats
-import minigpt.train.steps as steps
+import minigpt.optim.steps as steps
 from minigpt import chat_template, sharding
 from minigpt.config import TrainConfig
 from minigpt.data.documents import text_targets
@@ -52,27 +52,30 @@ def documents(tokenizer, cfg: TrainConfig) -> tuple[int, int | None] | None:
     return begin, tokenizer.eot_token
 
 
-def split_batches(data_dir: Path, split: str, cfg: TrainConfig, seq_len: int, preset, mesh, *,
-                  documents: tuple[int, int | None] | None, shuffle: bool = True):
-    """A split's batches, this process reading only its share of each: training batches in
-    the run's shuffled order, validation ones (`shuffle=False`) in a fixed order."""
-    share, shares = sharding.batch_share(preset, mesh, cfg.batch_size)
+def split_batches(data_dir: Path, split: str, cfg: TrainConfig, seq_len: int,
+                  layout: sharding.Layout, *, documents: tuple[int, int | None] | None,
+                  shuffle: bool = True):
+    """A split's batches, this process reading only its share of each (`layout.batch_share`):
+    training batches in the run's shuffled order, validation ones (`shuffle=False`) in a
+    fixed order."""
+    share, shares = layout.batch_share(cfg.batch_size)
     return batch_iterator(data_dir, split, seq_len=seq_len, batch_size=cfg.batch_size,
                           seed=cfg.seed if shuffle else 0, shuffle=shuffle,
                           process_index=share, process_count=shares, documents=documents)
 
 
-def evaluate(model, tokenizer, data_dir: Path, cfg: TrainConfig, seq_len: int, preset, mesh,
-             put, *, documents: tuple[int, int | None] | None) -> dict[str, Any]:
+def evaluate(model, tokenizer, data_dir: Path, cfg: TrainConfig, seq_len: int,
+             layout: sharding.Layout, *, documents: tuple[int, int | None] | None
+             ) -> dict[str, Any]:
     """{"eval_loss", "eval_bits_per_byte"} over the first `eval_batches` batches of the
     validation split (fixed order)."""
-    batches = split_batches(data_dir, "val", cfg, seq_len, preset, mesh, documents=documents,
+    batches = split_batches(data_dir, "val", cfg, seq_len, layout, documents=documents,
                             shuffle=False)
     special = tuple(t for t in (tokenizer.bos_token, tokenizer.eot_token) if t is not None)
 
     def placed():
         for _ in range(cfg.eval_batches):
             host = next(batches)
-            yield put({**host, **text_targets(host, tokenizer.decode, special)})
+            yield layout.put_batch({**host, **text_targets(host, tokenizer.decode, special)})
 
     return steps.evaluate(model, placed())

@@ -19,12 +19,9 @@ continues to the same step with the same rates.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from typing import Any
-
-from minigpt.config import ConfigError
 
 
 class TimeBudget:
@@ -127,16 +124,3 @@ class TimeBudget:
                  f"here: give a longer --time-budget")
         self._note(steps=step)
         return True
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in "90", "90s", "10m", "1.5h" or "1h30m"."""
-    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "": 1.0}
-    parts = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?\s*[hms]?\s*)+)", text or "")
-    pieces = re.findall(r"(\d+(?:\.\d*)?)\s*([hms]?)", text) if parts else []
-    if not pieces or (len(pieces) > 1 and any(unit == "" for _, unit in pieces)):
-        raise ConfigError(f"expected a duration such as 600, 90s, 10m or 1h30m, got {text!r}")
-    seconds = sum(float(n) * units[unit] for n, unit in pieces)
-    if seconds <= 0:
-        raise ConfigError(f"a time budget must be positive, got {text!r}")
-    return seconds

@@ -13,36 +13,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
-import types
-import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from minigpt import plan, runtime
-from minigpt.checkpoint import CheckpointError
 from minigpt.config import (
     EXECUTION_FIELDS,
     ConfigError,
     ModelConfig,
     TrainConfig,
 )
-from minigpt.data.token_files import DataError
-from minigpt.files import write_fault
+from minigpt.errors import exit_code
 from minigpt.models import get_config
 from minigpt.runs import RunDir, RunError
-from minigpt.sharding import PresetError
-from minigpt.tokenizer import TokenizerError, load_tokenizer
-from minigpt.train.budget import parse_duration
+from minigpt.runs.overrides import load_recipe, parse_duration, parse_overrides, recipe_configs
+from minigpt.tokenizer import load_tokenizer
 from minigpt.train.flags import build_parser
-from minigpt.train.lock import RunLocked
-from minigpt.train.metrics import TrainingDiverged
-from minigpt.train.recipes import load_recipe
 from minigpt.train.resuming import resume_configs
-
-# What a user can cause, reported in one line with exit status 2 (3: training diverged).
-USER_ERRORS = (ConfigError, PresetError, CheckpointError, DataError, TokenizerError, RunLocked)
 
 # Model fields a run started from another run's weights (--init-from) may change: how the model
 # runs, and its dropout.
@@ -52,51 +40,6 @@ FLAG_FIELDS = {"preset": "preset", "data": "data", "steps": "steps", "batch_size
                "seq_len": "seq_len", "lr": "lr", "seed": "seed", "out": "out",
                "eval_every": "eval_every", "save_every": "save_every",
                "profile_steps": "profile_steps"}
-
-
-def _parse_value(text: str, annotation: Any, key: str) -> Any:
-    """Convert `text` to the type a dataclass field declares (str annotations resolved)."""
-    origin = typing.get_origin(annotation)
-    if origin is tuple:
-        item = typing.get_args(annotation)[0]
-        return tuple(_parse_value(part, item, key) for part in text.split(",") if part)
-    if origin in (types.UnionType, typing.Union):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if annotation is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--set {key}: expected true or false, got {text!r}")
-    try:
-        return annotation(text)
-    except ValueError:
-        raise ConfigError(
-            f"--set {key}: expected {annotation.__name__}, got {text!r}") from None
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
-    """`key=value` strings (a key is `field`, `model.field` or `train.field`) as the changes they
-    make: {"model": {field: value}, "train": {field: value}}, values of the declared types."""
-    changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
-    hints = {"model": typing.get_type_hints(ModelConfig),
-             "train": typing.get_type_hints(TrainConfig)}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set expects key=value, got {item!r}")
-        scope, _, name = key.rpartition(".")
-        if scope == "data":  # the data's settings are train fields: data.truncate is
-            scope, name = "train", f"data_{name}"  # train.data_truncate, data.root data_root
-        scopes = [scope] if scope else [s for s in ("model", "train") if name in hints[s]]
-        if not scopes or scopes[0] not in hints or name not in hints[scopes[0]]:
-            known = sorted(f"model.{n}" for n in hints["model"]) + sorted(
-                f"train.{n}" for n in hints["train"])
-            raise ConfigError(f"--set: unknown field {key!r}; known fields: {', '.join(known)}")
-        if len(scopes) > 1:
-            raise ConfigError(f"--set: {name!r} is ambiguous; write model.{name} or train.{name}")
-        changes[scopes[0]][name] = _parse_value(value, hints[scopes[0]][name], key)
-    return changes
 
 
 def _train_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,19 +83,6 @@ def _with_tokenizer(model_cfg: ModelConfig, tokenizer: str | None) -> ModelConfi
         return model_cfg
     return dataclasses.replace(model_cfg, tokenizer=tokenizer,
                                vocab_size=load_tokenizer(tokenizer).n_vocab)
-
-
-def recipe_configs(name_or_path: str, model: str | None = None,
-                   **train_changes: Any) -> tuple[ModelConfig, TrainConfig]:
-    """The configs a recipe (recipes/<name>.toml) describes, with `train_changes` on top.
-    Another `model` replaces the recipe's (and drops its changes to the model's fields)."""
-    recipe = load_recipe(name_or_path)
-    model_cfg = get_config(model or recipe.model)
-    if model in (None, recipe.model):
-        model_cfg = dataclasses.replace(model_cfg, **recipe.model_fields)
-    train_cfg = TrainConfig(**{**recipe.train_fields, "recipe": recipe.name, **train_changes,
-                               "model": model or recipe.model})
-    return model_cfg, train_cfg
 
 
 def _started_from(args: argparse.Namespace, given: dict[str, Any],
@@ -235,22 +165,13 @@ def run(argv: Sequence[str] | None, train: Callable[..., dict[str, Any]]) -> int
     if args.distributed or any(v is not None for v in (
             args.coordinator, args.num_processes, args.process_id)):
         runtime.join_job(args.coordinator, args.num_processes, args.process_id)
-    try:
-        with runtime.plain_warnings():
-            model_cfg, train_cfg = resolve_configs(args)
-            memory = args.device_memory and plan.parse_size(args.device_memory)
-            with plan.budget(memory or None):  # what --preset auto chooses for
-                summary = train(model_cfg, train_cfg, resume=args.resume,
-                                sample=not args.no_sample)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a disk that fills, a folder made read-only: the machine's state
-        if write_fault(e) is None:
-            raise
-        print(f"error: {write_fault(e)}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    return 130 if summary["interrupted"] else 0
+    def go() -> int:
+        model_cfg, train_cfg = resolve_configs(args)
+        memory = args.device_memory and plan.parse_size(args.device_memory)
+        with plan.budget(memory or None):  # what --preset auto chooses for
+            summary = train(model_cfg, train_cfg, resume=args.resume, sample=not args.no_sample,
+                            check_memory=not args.no_memory_check)
+        return 130 if summary["interrupted"] else 0
+
+    with runtime.plain_warnings():
+        return exit_code(go)

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, help=f"(default {d.save_every})")
     p.add_argument("--no-sample", action="store_true",
                    help="do not tell a sample story at the end")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="train even where the planner expects the step not to fit the devices' "
+                        "memory (python -m minigpt.plan shows its estimate)")
     p.add_argument("--profile-steps", help="'a:b': write a profiler trace of steps a..b-1 "
                                            "(into <out>/tensorboard, for its profile plugin)")
     job = p.add_argument_group("multi-process jobs (see python -m minigpt.launch to try one "

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from minigpt.errors import UserError
 from minigpt.runs import LOCK
 
 LOCK_NAME = LOCK  # trainer.lock, named by minigpt.runs
@@ -39,7 +40,7 @@ HEARTBEAT = 10.0
 STALE_AFTER = 60.0
 
 
-class RunLocked(RuntimeError):
+class RunLocked(UserError, RuntimeError):
     """Another trainer holds the run directory; the message names it."""
 
 

@@ -1,7 +1,7 @@
 """A run's record: where its metrics are written (metrics.jsonl, TensorBoard, the progress bar,
 a plot), how steps are timed and profiled, and how the record is read back.
 
-Each step's wall time becomes tokens/s and MFU against the peak `minigpt.train.flops` states.
+Each step's wall time becomes tokens/s and MFU against the peak `minigpt.models.flops` states.
 
 `metrics.jsonl` is the record of a run: one JSON object per logged step. TensorBoard's event files
 in `<run>/tensorboard/` show the same numbers and are rebuilt from it when a run resumes, so a
@@ -24,9 +24,13 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+import minigpt.models.flops as flops
+from minigpt import pipeline
 from minigpt.config import TrainConfig
-from minigpt.files import replacing
-from minigpt.runs import RunDir
+from minigpt.errors import UserError
+from minigpt.files import replacing, shadowed
+from minigpt.models import kernels
+from minigpt.runs import RunDir, resolved
 
 
 class MetricsLog:
@@ -66,7 +70,7 @@ def run_training_seconds(run: str | Path) -> dict[int, float]:
     run without a budget, whose first step was not timed)."""
     run = RunDir(run)
     saved = run.read()
-    tokens = saved.train.batch_size * (saved.train.seq_len or saved.model.context_len)
+    tokens = saved.train.batch_size * resolved.seq_len(saved.model, saved.train)
     budget = saved.record.get("time_budget", {})
     fitted = next((v["s_per_step"] for k, v in budget.items() if k.startswith("fit")), 0.0)
     return training_seconds(read_metrics(run.metrics), tokens,
@@ -140,8 +144,10 @@ def extreme_settings(model_cfg: Any, train_cfg: Any, values: dict[str, Any]) -> 
     return found
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(UserError, RuntimeError):
     """The loss or the gradient norm stopped being a finite number; the message says what to do."""
+
+    exit_code = 3  # the command lines' status for a run that diverged, apart from bad input
 
     @classmethod
     def at(cls, step: int, values: dict[str, float], *, lr: float, warmup: int, dtype: str,
@@ -184,7 +190,7 @@ TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate",
                     "mfu": "speed/mfu", "eval_loss": "eval/loss",
                     "eval_bits_per_byte": "eval/bits_per_byte",
                     "eval_perplexity": "eval/perplexity"}
-# Those only a mixture of experts logs (`minigpt.train.steps`): the router's penalties, each
+# Those only a mixture of experts logs (`minigpt.optim.steps`): the router's penalties, each
 # expert's share of the assignments (a list, shown as one scalar per expert, `<tag>/<index>`),
 # the largest share, and the assignments a capacity dispatch dropped.
 EXPERT_TENSORBOARD_TAGS = {"aux_loss": "train/router_aux_loss",
@@ -249,7 +255,7 @@ class Recorder:
     """Turns each step's metrics into a metrics.jsonl record, TensorBoard scalars and the
     progress bar. Processes other than 0 (`enabled=False`) time their steps and write nothing.
 
-    `tokens_per_step`, `flops_per_token`, `peak` (one device's, a `minigpt.train.flops.Peak`,
+    `tokens_per_step`, `flops_per_token`, `peak` (one device's, a `minigpt.models.flops.Peak`,
     which keeps every MFU at most 1) and `devices` turn a step's wall time into tokens/s and MFU.
     """
 
@@ -353,3 +359,36 @@ class Profiler:
         if self.tracing:
             jax.profiler.stop_trace()
             self.tracing = False
+
+
+def for_run(run, *, say) -> Recorder:
+    """The recorder of a training run (`minigpt.train.trainer.Run`), after saying in its first
+    lines how it is laid out, what it computes with and what MFU is measured against."""
+    cfg, settled = run.train_cfg, run.settled
+    tokens_per_step = cfg.batch_size * settled.seq_len
+    peak = flops.device_peak(settled.model.dtype)
+    preset = run.layout.preset
+    if note := shadowed(run.train_cfg.preset, preset.path):
+        say(note)
+    say(f"preset {preset.name} ({preset.path}) on mesh {dict(run.layout.mesh.shape)}; "
+        f"{tokens_per_step:,} "
+        f"tokens/step; {kernels.describe(run.model_cfg.kernels, run.model_cfg.dtype)}; MFU "
+        f"against {peak.flops / 1e12:.2f} TFLOP/s per device ({peak.source})")
+    if run.layout.pipeline.microbatches:
+        say(pipeline.describe(run.layout.stages, run.model_cfg.num_layers, run.layout.pipeline,
+                              sequences=cfg.batch_size // cfg.microbatches))
+    return Recorder(run.dir.metrics, run.dir.tensorboard, enabled=run.is_writer, step=run.step,
+                    total=None if cfg.time_budget else cfg.steps, tokens_per_step=tokens_per_step,
+                    flops_per_token=flops.flops_per_token(run.model_cfg, settled.seq_len),
+                    peak=peak, devices=run.layout.mesh.size, log_every=cfg.log_every)
+
+
+def summarise(run: RunDir, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """At a run's end: its loss plot, and its last loss and held-out figures added to
+    `summary`; returns the last held-out record (None: never evaluated)."""
+    records = read_metrics(run.metrics)
+    plot_losses(records, run.loss_plot)
+    summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
+    held_out = next((r for r in reversed(records) if "eval_loss" in r), None)
+    summary.update({k: (held_out or {}).get(k) for k in ("eval_loss", "eval_bits_per_byte")})
+    return held_out

@@ -21,23 +21,22 @@ from typing import Any
 import jax
 from flax import nnx
 
-import minigpt.models.kernels as kernels
-import minigpt.train.adapters as adapters
+import minigpt.optim.lr_schedule as lr_schedule
+import minigpt.optim.state as state
+import minigpt.optim.steps as steps
 import minigpt.train.batches as batches
-import minigpt.train.flops as flops
-import minigpt.train.lr_schedule as lr_schedule
 import minigpt.train.metrics as metrics
-import minigpt.train.steps as steps
 from minigpt import pipeline, plan, runtime, sharding
 from minigpt.checkpoint import Checkpointer, has_checkpoint
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_step_range
 from minigpt.data import check_tokenizer, prepare_in_job
 from minigpt.files import write_text_atomic
 from minigpt.generate import generate
-from minigpt.runs import RunDir, check_start, keep_vocabulary
+from minigpt.runs import RunDir, check_start, keep_vocabulary, resolved
 from minigpt.runtime import log
 from minigpt.tokenizer import load_tokenizer
 from minigpt.train.budget import TimeBudget
+from minigpt.train.feed import Feed
 from minigpt.train.lock import hold_run_lock
 
 # The step count of a run whose time budget has not yet decided one: open-ended.
@@ -46,21 +45,18 @@ OPEN_ENDED = 10**9
 
 @dataclasses.dataclass
 class Run:
-    """What a training run holds while it runs: configs, mesh, data, state and checkpoints."""
+    """What a training run holds while it runs: configs, layout, data, state and checkpoints."""
 
-    model_cfg: ModelConfig
+    model_cfg: ModelConfig  # as asked (config.json's "model")
     train_cfg: TrainConfig
+    settled: resolved.Resolved  # what it runs with (config.json's "resolved")
     dir: RunDir
-    seq_len: int
-    preset: sharding.Preset
-    mesh: Any
-    pipeline: sharding.Pipeline  # how a pipeline preset runs the stack (M resolved)
     layers: pipeline.LayerOrder  # where the stacked layers are kept while it trains
     data_dir: Path
     model: nnx.Module
     optimizer: nnx.Optimizer
     checkpointer: Checkpointer
-    batches: Any  # the Grain iterator of training batches
+    feed: Feed  # the training batches, placed a step ahead
     tokenizer: Any
     documents: tuple[int, int | None] | None  # begin and end tokens, where documents stay apart
     rng: jax.Array
@@ -69,25 +65,28 @@ class Run:
     started: float = 0.0  # time.monotonic() when the data was ready: a time budget starts here
 
     @property
+    def layout(self) -> sharding.Layout:
+        return self.settled.layout
+
+    @property
     def is_writer(self) -> bool:
         return jax.process_index() == 0
 
 
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = False,
-          sample: bool = True) -> dict[str, Any]:
-    """Train (or continue training) a model; returns a summary of the run.
-
-    Nothing is written before the request is checked; then the run directory is locked for this
-    trainer, and the lock and the checkpointer are released however the run ends.
-    """
+          sample: bool = True, check_memory: bool = True) -> dict[str, Any]:
+    """Train (or continue training) a model; returns a summary of the run. Nothing is written
+    before the request is checked (`check_memory=False`: a run the planner expects not to fit
+    tries anyway); then the run directory is locked for this trainer, and the lock and the
+    checkpointer are released however the run ends."""
     train_cfg, chosen = plan.resolve(model_cfg, train_cfg, resume=resume, say=log)  # "auto"
-    preset, mesh, settings = check_request(model_cfg, train_cfg, resume=resume)
+    settled = check_request(model_cfg, train_cfg, resume=resume, check_memory=check_memory)
     if resume and not has_checkpoint(RunDir(train_cfg.out).checkpoints):  # it never saved
         log(f"nothing of {train_cfg.out} was saved yet: it starts again from step 0, with the "
             f"settings its config.json holds and the changes asked for now")
         resume = False
     with hold_run_lock(Path(train_cfg.out), say=log):
-        run = build_run(model_cfg, train_cfg, preset, mesh, settings, resume=resume)
+        run = build_run(model_cfg, train_cfg, settled, resume=resume)
         run.record.update(chosen)  # how --preset auto chose, for config.json
         try:
             if resume:
@@ -101,36 +100,39 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
         return finish(run, interrupted=interrupted, sample=sample)
 
 
-def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool):
-    """Refuse what cannot work, before anything is written or compiled; returns the preset, the
-    mesh and how its pipeline runs (`sharding.check_layout`)."""
+def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool,
+                  check_memory: bool = True) -> resolved.Resolved:
+    """Refuse what cannot work, before anything is written or compiled: the run directory, the
+    layout (`resolved.layout`), the adapters and weights against the devices, the whole step
+    against their memory (`plan.preflight`); returns the run's settings, resolved once."""
     check_start(train_cfg.out, resume=resume, init_from=train_cfg.init_from)
     if train_cfg.time_budget and jax.process_count() > 1:
         # Each process would time its own steps and could settle on another step count.
         raise ConfigError("a time budget is for single-process runs; in a multi-process job "
                           "give --steps")
-    if (train_cfg.seq_len or model_cfg.context_len) > model_cfg.context_len:
+    if resolved.seq_len(model_cfg, train_cfg) > model_cfg.context_len:
         raise ConfigError(f"train.seq_len {train_cfg.seq_len} exceeds the model's context "
                           f"{model_cfg.context_len}")
-    preset = sharding.load_preset(train_cfg.preset)
-    mesh = sharding.make_mesh(preset)
-    adapters.check(model_cfg, train_cfg, preset, mesh)  # and that it fits, before any allocation
-    return preset, mesh, sharding.check_layout(
-        preset, mesh, model=train_cfg.model, num_layers=model_cfg.num_layers,
-        batch_size=train_cfg.batch_size, accumulation=train_cfg.microbatches,
-        seq_len=train_cfg.seq_len or model_cfg.context_len,
-        pipeline=sharding.Pipeline(microbatches=train_cfg.pipeline_microbatches,
-                                   schedule=train_cfg.pipeline_schedule,
-                                   repeats=train_cfg.pipeline_repeats),
-        context_parallel=sharding.ContextParallel(strategy=train_cfg.context_strategy),
-        num_experts=model_cfg.num_experts)
+    if (n := load_tokenizer(model_cfg.tokenizer).n_vocab) > model_cfg.vocab_size:
+        raise ConfigError(f"tokenizer {model_cfg.tokenizer!r} has {n:,} tokens but the model's "
+                          f"table has {model_cfg.vocab_size:,} rows: ids past them have no "
+                          f"embedding (a config.json naming another model's tokenizer?)")
+    layout = resolved.layout(model_cfg, train_cfg)
+    state.check(model_cfg, train_cfg, layout)  # the weights alone, naming a LoRA rank
+    ahead = plan.preflight(model_cfg, train_cfg, layout, enforce=check_memory, say=log)
+    horizon = None
+    if train_cfg.time_budget and ahead.step_seconds:  # the warm-up is fixed from the start
+        # The plan's step leaves out the host, the data and compiling: half the steps it fits
+        # in the budget, so a warm-up never outlasts the run the budget then fits.
+        horizon = max(1, int(train_cfg.time_budget / ahead.step_seconds / 2))
+    return resolved.resolve(model_cfg, train_cfg, layout, remat=ahead.remat, horizon=horizon)
 
 
-def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.Preset, mesh,
-              settings: sharding.Pipeline, *, resume: bool) -> Run:
+def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, settled: resolved.Resolved, *,
+              resume: bool) -> Run:
     """Prepare the data and create the sharded state (nothing trained yet); a new run started
     from another's weights reads them before anything of its own is written."""
-    seq_len = train_cfg.seq_len or model_cfg.context_len
+    seq_len, layout = settled.seq_len, settled.layout
     tokenizer, chat_record = batches.for_chats(load_tokenizer(model_cfg.tokenizer), train_cfg,
                                                resume=resume, say=log)
     data_dir = prepare_in_job(train_cfg.data, train_cfg.data_root, model_cfg.tokenizer,
@@ -139,16 +141,15 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
     started = time.monotonic()
     meta = check_tokenizer(data_dir, model_cfg, train_cfg.model)
 
-    model, optimizer = sharding.create_sharded(lambda: adapters.build(model_cfg, train_cfg),
-                                               preset, mesh)  # with LoRA: adapters train alone
-    if note := sharding.degenerate_note(preset, mesh, nnx.state(model)):
+    model, optimizer = sharding.create_sharded(lambda: state.build(settled.model, train_cfg),
+                                               layout)  # with LoRA: adapters train alone
+    if note := sharding.degenerate_note(layout, nnx.state(model)):
         log(note)  # it trains, but whoever asked for a split should know what stays whole
     base = None  # the run whose weights are the adapters' frozen base
     if train_cfg.init_from and not resume:
-        base = adapters.start_from(model, Path(train_cfg.init_from),
-                                   adapters.requested(train_cfg), say=log)
+        base = state.start_from(model, Path(train_cfg.init_from), settled.adapters, say=log)
     documents = batches.documents(tokenizer, train_cfg)
-    training = batches.split_batches(data_dir, "train", train_cfg, seq_len, preset, mesh,
+    training = batches.split_batches(data_dir, "train", train_cfg, seq_len, layout,
                                      documents=documents)
     run_dir = RunDir(train_cfg.out)
     checkpointer = Checkpointer(run_dir.checkpoints, keep=train_cfg.keep_checkpoints)
@@ -157,14 +158,13 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, preset: sharding.P
             f"left")
     devices = {"platform": jax.devices()[0].platform, "count": jax.device_count(),
                "processes": jax.process_count()}
-    record = {"preset": preset.name, "tokenizer": meta["tokenizer"], "data_dir": str(data_dir),
+    record = {"preset": layout.name, "tokenizer": meta["tokenizer"], "data_dir": str(data_dir),
               "devices": devices, **chat_record,
-              **({} if resume else adapters.record(train_cfg, base))}
-    return Run(model_cfg=model_cfg, train_cfg=train_cfg, dir=run_dir, seq_len=seq_len,
-               preset=preset, mesh=mesh, pipeline=settings,
-               layers=pipeline.LayerOrder(settings, model_cfg.num_layers, preset, mesh),
-               data_dir=data_dir, model=model, optimizer=optimizer, checkpointer=checkpointer,
-               batches=training, tokenizer=tokenizer, documents=documents,
+              **({} if resume else state.record(train_cfg, base))}
+    return Run(model_cfg=model_cfg, train_cfg=train_cfg, settled=settled, dir=run_dir,
+               layers=pipeline.LayerOrder(layout, model_cfg.num_layers), data_dir=data_dir,
+               model=model, optimizer=optimizer, checkpointer=checkpointer,
+               feed=Feed(training, layout.put_batch), tokenizer=tokenizer, documents=documents,
                rng=jax.random.key(train_cfg.seed), record=record, started=started)
 
 
@@ -174,7 +174,7 @@ def restore(run: Run) -> None:
     `<run>/damaged-checkpoints/` so that the steps they held can be saved again."""
     restored = run.checkpointer.restore(run.model, run.optimizer)
     run.step, run.rng = restored["step"], restored["rng"]
-    run.batches.set_state(restored["data_state"])
+    run.feed.set_state(restored["data_state"])
     run.checkpointer.set_aside_skipped(restored["skipped"], run.dir.damaged,
                                        writer=run.is_writer, say=log)
     log(f"resumed from {run.checkpointer.directory / str(run.step)} at step {run.step}")
@@ -197,8 +197,8 @@ def settle(run: Run, *, resume: bool) -> None:
                                   f"{cfg.steps}: give a later step to train further")
             cfg, message = lr_schedule.continued(saved.train, cfg, run.step)
             log(message)
-    if cfg.time_budget:
-        cfg = dataclasses.replace(cfg, steps=OPEN_ENDED)
+    if cfg.time_budget:  # open-ended; the warm-up fixed now, never refitted with the end
+        cfg = dataclasses.replace(cfg, steps=OPEN_ENDED, warmup_steps=run.settled.warmup_steps)
     if cfg.init_from and run.is_writer:  # an imported vocabulary goes with the weights
         kept = keep_vocabulary(run.model_cfg.tokenizer, Path(cfg.init_from), run.dir.path)
         run.model_cfg = dataclasses.replace(run.model_cfg, tokenizer=kept)
@@ -227,7 +227,8 @@ def write_run_files(run: Run) -> None:
 
 def _write_config(run: Run) -> None:
     if run.is_writer:
-        run.dir.write(run.model_cfg, run.train_cfg, **run.record)
+        run.dir.write(run.model_cfg, run.train_cfg,
+                      **{**run.record, "resolved": run.settled.record()})
 
 
 def run_loop(run: Run) -> bool:
@@ -237,8 +238,9 @@ def run_loop(run: Run) -> bool:
     the step it just queued. Checkpoints and evaluation wait for their step to finish.
     """
     cfg = run.train_cfg
-    put = sharding.put_batch_fn(run.preset, run.mesh)
-    recorder = _recorder(run)
+    for note in filter(None, (runtime.huge_pages_note(), runtime.gpu_flags_note())):
+        log(note)
+    recorder = metrics.for_run(run, say=log)
     budget = (TimeBudget(cfg.time_budget, run.started, say=log,
                          eval_share=cfg.eval_batches / (3 * cfg.eval_every))
               if cfg.time_budget else None)
@@ -249,13 +251,12 @@ def run_loop(run: Run) -> bool:
     # there Ctrl-C (or the launcher) stops them all and --resume uses the last checkpoint.
     interrupts = runtime.StopOnInterrupt() if jax.process_count() == 1 else runtime.NoInterrupts()
     try:
-        how = sharding.ContextParallel(strategy=run.train_cfg.context_strategy)
-        with sharding.use_preset(run.preset, run.mesh, run.pipeline, context_parallel=how), \
-                interrupts as stop:
+        with run.layout.active(), interrupts as stop:
             while run.step < run.train_cfg.steps and not stop.requested:
                 profiler.before(run.step, pending and pending[1], run.checkpointer.wait)
-                reported = steps.train_step(run.model, run.optimizer, put(next(run.batches)),
-                                            run.rng, rates, microbatches=run.train_cfg.microbatches)
+                reported = steps.train_step(run.model, run.optimizer, run.feed.take(), run.rng,
+                                            rates, microbatches=run.train_cfg.microbatches)
+                run.feed.fill()  # the next batch read and placed while this step runs
                 run.step += 1
                 if pending is not None:  # read step k-1 while step k runs
                     _record(run, recorder, *pending)
@@ -267,7 +268,7 @@ def run_loop(run: Run) -> bool:
                     _record(run, recorder, *pending)  # also: never save a diverged state
                     pending = None
                     with recorder.timer.pause():
-                        _save_and_evaluate(run, put, recorder)
+                        _save_and_evaluate(run, recorder)
             if pending is not None:
                 _record(run, recorder, *pending)
             interrupted = stop.requested and run.step < run.train_cfg.steps
@@ -281,26 +282,6 @@ def run_loop(run: Run) -> bool:
         finally:
             recorder.close()
     return interrupted
-
-
-def _recorder(run: Run) -> metrics.Recorder:
-    cfg = run.train_cfg
-    tokens_per_step = cfg.batch_size * run.seq_len
-    peak = flops.device_peak(kernels.compute_dtype(run.model_cfg.dtype))
-    if note := runtime.huge_pages_note():
-        log(note)
-    log(f"preset {run.preset.name} on mesh {dict(run.mesh.shape)}; {tokens_per_step:,} "
-        f"tokens/step; {kernels.describe(run.model_cfg.kernels, run.model_cfg.dtype)}; MFU "
-        f"against {peak.flops / 1e12:.2f} TFLOP/s per device ({peak.source})")
-    if run.pipeline.microbatches:
-        stages = run.mesh.shape[sharding.pipeline_axis(run.preset.rules)]
-        log(pipeline.describe(stages, run.model_cfg.num_layers, run.pipeline,
-                              sequences=cfg.batch_size // cfg.microbatches))
-    return metrics.Recorder(run.dir.metrics, run.dir.tensorboard, enabled=run.is_writer,
-                            step=run.step, total=None if cfg.time_budget else cfg.steps,
-                            tokens_per_step=tokens_per_step,
-                            flops_per_token=flops.flops_per_token(run.model_cfg, run.seq_len),
-                            peak=peak, devices=run.mesh.size, log_every=cfg.log_every)
 
 
 def _follow_budget(run: Run, budget: TimeBudget, recorder: metrics.Recorder, reported) -> bool:
@@ -328,24 +309,24 @@ def _record(run: Run, recorder: metrics.Recorder, step: int, reported) -> None:
     if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
         cfg = run.train_cfg
         raise metrics.TrainingDiverged.at(
-            step, values, lr=cfg.lr, warmup=lr_schedule.warmup_for(cfg),
-            dtype=kernels.compute_dtype(run.model_cfg.dtype),
+            step, values, lr=cfg.lr, warmup=resolved.warmup_steps(cfg),
+            dtype=run.settled.model.dtype,
             out=run.dir.path, latest_checkpoint=run.checkpointer.latest_step(),
             extreme=metrics.extreme_settings(run.model_cfg, cfg, values))
 
 
 def _save(run: Run) -> None:
     run.checkpointer.save(run.step, run.model, run.optimizer, layout=run.layers.canonical,
-                          data_state=run.batches.get_state(), rng=run.rng)
+                          data_state=run.feed.get_state(), rng=run.rng)
 
 
-def _save_and_evaluate(run: Run, put, recorder: metrics.Recorder) -> None:
+def _save_and_evaluate(run: Run, recorder: metrics.Recorder) -> None:
     if _due(run, "save_every"):
         _save(run)
     if _due(run, "eval_every"):
         recorder.record_eval(run.step, batches.evaluate(
-            run.model, run.tokenizer, run.data_dir, run.train_cfg, run.seq_len, run.preset,
-            run.mesh, put, documents=run.documents))
+            run.model, run.tokenizer, run.data_dir, run.train_cfg, run.settled.seq_len,
+            run.layout, documents=run.documents))
 
 
 def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
@@ -356,16 +337,10 @@ def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:
     log(f"checkpoint: {summary['checkpoint']}")
     if interrupted:
         return summary
-    held_out = None
-    if run.is_writer:
-        records = metrics.read_metrics(run.dir.metrics)
-        metrics.plot_losses(records, run.dir.loss_plot)
-        summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
-        held_out = next((r for r in reversed(records) if "eval_loss" in r), None)
-        summary.update({k: (held_out or {}).get(k) for k in ("eval_loss", "eval_bits_per_byte")})
+    held_out = metrics.summarise(run.dir, summary) if run.is_writer else None
     if sample:
         run.layers.leave(run.model)  # generation runs the layers in the model's order
-        with sharding.use_preset(run.preset, run.mesh):
+        with run.layout.replace(pipeline=sharding.Pipeline()).active():
             story = generate(run.model, run.tokenizer, ["Once upon a time"],
                              max_new_tokens=100, temperature=0.8, top_k=50,
                              rng=jax.random.key(run.train_cfg.seed))[0]

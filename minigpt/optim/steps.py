@@ -6,7 +6,7 @@ masks the uninterrupted run would have drawn. A step reads nothing from the host
 its metrics as device arrays (scalars, and for a mixture of experts each expert's share of the
 assignments as a vector); the trainer decides when to look at them. The loss itself is the
 model's (`DecoderLM.loss`, which picks its kernels and, under a pipeline preset, the schedule);
-the optimizer is `minigpt.train.optimizer`.
+the optimizer is `minigpt.optim.optimizer`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from minigpt import pipeline, sharding
 from minigpt.models import DecoderLM, lora
 from minigpt.models.decoder import loss_batch
 from minigpt.models.layers import row_keys
-from minigpt.train.lr_schedule import LRSchedule
+from minigpt.optim.lr_schedule import LRSchedule
 
 
 def _loss_and_metrics(model: DecoderLM, batch, keys):

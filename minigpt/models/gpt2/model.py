@@ -40,9 +40,9 @@ class TransformerBlock(nnx.Module):
                        use_bias=True, init=normal, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x, positions, kv, keys, segments=None):
+    def __call__(self, x, attn, kv, keys):
         keys = split_keys(keys, 2)  # per-row keys for the two dropouts
-        y, kv = self.attention(self.norm1(x), positions, kv, segments)
+        y, kv = self.attention(self.norm1(x), attn, kv)
         x = x + dropout(y, self.rate, keys[0])
         x = x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1])
         return x, kv

@@ -17,6 +17,7 @@ import math
 import jax
 from flax import nnx
 
+import minigpt.models.fp8 as fp8
 import minigpt.models.kernels as kernels
 from minigpt.config import ModelConfig
 from minigpt.models.decoder import BlockStack, DecoderLM
@@ -42,7 +43,8 @@ class SwiGLU(nnx.Module):
         self.down = Dense("BTF,FD->BTD", (F, D), ("mlp", "embed"), init=out_init, **common)
 
     def __call__(self, x):
-        if self.gate.lora is not None or self.up.lora is not None:  # adapters beside each
+        # Adapters beside each, or FP8 products (model.fp8): each projection on its own
+        if self.gate.lora is not None or self.up.lora is not None or fp8.active():
             return self.down(jax.nn.silu(self.gate(x)) * self.up(x))  # [B, T, D]
         dtype = self.gate.dtype
         hidden = kernels.active().gated_activation(  # silu(gate(x)) * up(x)
@@ -66,11 +68,11 @@ class TransformerBlock(nnx.Module):
             self.mlp = SwiGLU(cfg, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x, positions, kv, keys, segments=None):
+    def __call__(self, x, attn, kv, keys):
         """(x, kv), and for a mixture of experts (x, kv, the router's report: see
         `minigpt.models.moe`)."""
         keys = split_keys(keys, 2)  # per-row keys for the two dropouts
-        y, kv = self.attention(self.norm1(x), positions, kv, segments)
+        y, kv = self.attention(self.norm1(x), attn, kv)
         x = x + dropout(y, self.rate, keys[0])
         if not isinstance(self.mlp, MoE):
             return x + dropout(self.mlp(self.norm2(x)), self.rate, keys[1]), kv

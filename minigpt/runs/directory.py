@@ -285,20 +285,28 @@ def keep_vocabulary(name: str, source_run: Path, run: Path) -> str:
 
 @dataclass
 class LoadedRun:
-    """A run's latest weights, restored for generation or export: the model laid out by a
-    preset on a mesh, its tokenizer, the step it was saved at, and its config.json."""
+    """A run's latest weights, restored for generation or export: the model laid out on the
+    devices (`layout`: enter it with `run.layout.active()` to run the model), its tokenizer,
+    the step it was saved at, and its config.json."""
 
     path: Path
     model: DecoderLM
     tokenizer: Encoding
-    preset: sharding.Preset
-    mesh: Any
+    layout: sharding.Layout
     step: int
     saved: SavedRun
 
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def preset(self) -> sharding.Preset:
+        return self.layout.preset
+
+    @property
+    def mesh(self):
+        return self.layout.mesh
 
 
 def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = False) -> LoadedRun:
@@ -326,8 +334,7 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
     try:
         if checkpointer.latest_step() is None:
             raise RunError(f"{directory.checkpoints} holds no checkpoint yet")
-        layout = sharding.load_preset(preset)
-        mesh = sharding.make_mesh(layout)
+        layout = sharding.Layout.make(preset)
         adapters = saved.adapters
 
         def build():
@@ -335,11 +342,11 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
             return model if adapters is None else lora.attach(model, adapters,
                                                               key=jax.random.key(0))
 
-        runtime.check_fits(layout, mesh, [nnx.state(nnx.eval_shape(build))],
+        runtime.check_fits(layout, [nnx.state(nnx.eval_shape(build))],
                            what=f"the model {directory.config_file} describes ({cfg.arch}, "
                                 f"{cfg.num_layers} layers of width {cfg.embed_dim})",
                            hint="is the file the run was trained with?")
-        model = sharding.abstract_sharded(build, layout, mesh)  # the checkpoint fills it
+        model = sharding.abstract_sharded(build, layout)  # the checkpoint fills it
         restored = checkpointer.restore(model)
     finally:
         checkpointer.close()
@@ -348,8 +355,8 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
     for step, why in restored["skipped"]:
         warnings.warn(f"checkpoint {step} of {directory.path} cannot be read ({why}); using "
                       f"step {restored['step']}, the newest that can", stacklevel=2)
-    return LoadedRun(path=directory.path, model=model, tokenizer=tokenizer, preset=layout,
-                     mesh=mesh, step=restored["step"], saved=saved)
+    return LoadedRun(path=directory.path, model=model, tokenizer=tokenizer, layout=layout,
+                     step=restored["step"], saved=saved)
 
 
 def with_recorded_template(tokenizer, saved: SavedRun):

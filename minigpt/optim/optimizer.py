@@ -3,7 +3,7 @@
 Which parameters decay and how Muon sees each as a matrix go by the names the layers give them
 (`minigpt.models.layers`: every weight matrix is a `kernel`, every lookup table a `table`).
 The learning rate is not part of the optimizer: each update receives the run's `LRSchedule`
-(`minigpt.train.lr_schedule`) as numbers, so a time budget or a resumed run that moves the
+(`minigpt.optim.lr_schedule`) as numbers, so a time budget or a resumed run that moves the
 schedule's end runs the same compiled step.
 """
 
@@ -22,7 +22,7 @@ from minigpt.config import TrainConfig
 from minigpt.models.layers import DECAYED_PARAMETERS, OUTPUT_PROJECTIONS
 from minigpt.models.lora import ADAPTER
 from minigpt.models.moe import STACKED_EXPERTS
-from minigpt.train.lr_schedule import LRSchedule
+from minigpt.optim.lr_schedule import LRSchedule
 
 
 def _names(path: tuple) -> list[str]:

@@ -1,4 +1,5 @@
-"""Low-rank adapters in a training run (`--set train.lora_rank=R`): the trainer's side of LoRA.
+"""The state a run trains: the model (with low-rank adapters where `--set train.lora_rank=R`
+asks for them) and its optimizer, checked, built and started from another run's weights.
 
 The adapters a run asks for are checked against its model before anything is compiled
 (`check`); the model is built with them and the optimizer holds them alone (`build`), so the
@@ -24,25 +25,16 @@ from minigpt import runtime
 from minigpt.checkpoint import restore_weights
 from minigpt.config import ModelConfig, TrainConfig
 from minigpt.models import build_model, lora
-from minigpt.runs import RunDir
-from minigpt.train.optimizer import make_optimizer
+from minigpt.optim.optimizer import make_optimizer
+from minigpt.runs import RunDir, resolved
 
 
-def requested(cfg: TrainConfig) -> lora.Adapters | None:
-    """The adapters a run's training config asks for (None: rank 0, no adapters)."""
-    if not cfg.lora_rank:
-        return None
-    lora.check_scale("train.lora_alpha", cfg.lora_alpha, cfg.lora_rank)  # named as it was set
-    return lora.Adapters(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
-                         dropout=cfg.lora_dropout)
-
-
-def check(model_cfg: ModelConfig, train_cfg: TrainConfig, preset, mesh) -> None:
+def check(model_cfg: ModelConfig, train_cfg: TrainConfig, layout) -> None:
     """Refuse, from shapes alone and before anything is allocated (ConfigError, one line):
     targets that name no projection of the model (saying which it has), and a model whose
     weights, gradients and optimizer state cannot fit the devices under the preset
     (`runtime.check_fits`), naming the adapters' rank where they are what does not fit."""
-    wanted = requested(train_cfg)
+    wanted = resolved.adapters(train_cfg)
     if wanted is not None:  # named by the model's architecture, before adapters are attached
         plain = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
         lora.check_targets(plain, wanted.targets, model_cfg.arch)
@@ -55,7 +47,7 @@ def check(model_cfg: ModelConfig, train_cfg: TrainConfig, preset, mesh) -> None:
     else:
         what, hint = (f"train.lora_rank={wanted.rank}", "a rank between 4 and 64 is usual, and "
                       "a rank above the width of the projections it adapts adds nothing")
-    runtime.check_fits(preset, mesh, states, what=what, hint=hint)
+    runtime.check_fits(layout, states, what=what, hint=hint)
 
 
 def build(model_cfg: ModelConfig, train_cfg: TrainConfig, *,
@@ -65,7 +57,7 @@ def build(model_cfg: ModelConfig, train_cfg: TrainConfig, *,
     (`replicated`: the adapters whole on every device, bench/bench_lora.py's comparison)."""
     rngs = nnx.Rngs(train_cfg.seed)
     model = build_model(model_cfg, rngs=rngs)
-    wanted = requested(train_cfg)
+    wanted = resolved.adapters(train_cfg)
     if wanted is not None:
         lora.attach(model, wanted, key=rngs.params(), replicated=replicated)
     return model, nnx.Optimizer(model, make_optimizer(train_cfg), wrt=lora.trainable(model))
@@ -116,5 +108,5 @@ def _release(model: nnx.Module) -> None:
 def record(cfg: TrainConfig, base: str | None) -> dict[str, Any]:
     """What config.json says of a new run's adapters ({} without): their shape and the run
     holding the base weights they adapt (None: none does, they are this run's own)."""
-    wanted = requested(cfg)
+    wanted = resolved.adapters(cfg)
     return {} if wanted is None else {"adapters": {**wanted.record(), "base": base}}

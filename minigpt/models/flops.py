@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from minigpt.config import ModelConfig
 from minigpt.files import write_text_atomic
+from minigpt.models import family_of
 
 # Dense peak FLOP/s per device (one chip, or one GPU) by compute dtype, from vendor data sheets.
 # float32 entries are what XLA uses for float32 matmuls by default (TF32 on NVIDIA GPUs, bf16
@@ -59,7 +60,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     D, F, L = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     attention = D * q * 2 + D * kv * 2  # query and output, key and value
-    mlp = D * F * (3 if cfg.arch == "llama" else 2)  # SwiGLU has a gate projection
+    mlp = D * F * (3 if family_of(cfg).gated_mlp else 2)  # SwiGLU and GeGLU have a gate
     if cfg.num_experts:  # a token's k experts, the shared expert and its gate, the router
         mlp = (3 * D * (cfg.experts_per_token * cfg.expert_dim + cfg.shared_expert_mlp_dim)
                + D * (cfg.num_experts + (1 if cfg.shared_expert_mlp_dim else 0)))

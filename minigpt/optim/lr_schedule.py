@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from minigpt.config import TrainConfig
+from minigpt.runs import resolved
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=(
@@ -47,15 +48,8 @@ class LRSchedule:
                          jnp.where(step < self.decay_start, self.peak, cosine))
 
 
-def warmup_for(cfg: TrainConfig) -> int:
-    """The warm-up steps of a run: as configured, or (-1) a tenth of its horizon, at most 100."""
-    if cfg.warmup_steps >= 0:
-        return cfg.warmup_steps
-    return max(1, min(100, (cfg.decay_steps or cfg.steps) // 10))
-
-
 def lr_schedule(cfg: TrainConfig) -> LRSchedule:
-    warmup, end = warmup_for(cfg), cfg.decay_steps or cfg.steps
+    warmup, end = resolved.warmup_steps(cfg), cfg.decay_steps or cfg.steps
     start = cfg.decay_start
     if start < 0 and cfg.decay_fraction:  # warm-up-stable-decay: the last part of the run
         start = end - round(cfg.decay_fraction * end)
@@ -70,7 +64,7 @@ def continued(saved: TrainConfig, wanted: TrainConfig, step: int) -> tuple[Train
     cosine to the floor at the new end, so the rate never jumps. A run still warming up or
     holding its peak (warm-up-stable-decay) goes on doing so and decays from the peak where the
     new end puts its decay. The warm-up keeps its saved length."""
-    warmup, rates = warmup_for(saved), lr_schedule(saved)
+    warmup, rates = resolved.warmup_steps(saved), lr_schedule(saved)
     rate = float(rates(step))
     if step < rates.decay_start:  # not decaying yet: decay where the new end says
         fresh = lr_schedule(dataclasses.replace(wanted, warmup_steps=warmup, decay_start=-1,

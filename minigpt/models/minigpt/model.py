@@ -37,9 +37,9 @@ class TransformerBlock(nnx.Module):
         self.norm2 = LayerNorm(cfg, rngs=rngs)
         self.rate = cfg.dropout
 
-    def __call__(self, x, positions, kv, keys, segments=None):
+    def __call__(self, x, attn, kv, keys):
         keys = split_keys(keys, 2)  # per-row keys for the two dropouts
-        y, kv = self.attention(x, positions, kv, segments)
+        y, kv = self.attention(x, attn, kv)
         x = self.norm1(x + dropout(y, self.rate, keys[0]))
         x = self.norm2(x + dropout(self.mlp(x), self.rate, keys[1]))
         return x, kv

@@ -1,0 +1,374 @@
+"""The server (`minigpt.serve`) through the official `openai` client: greedy completions and
+chats, streamed and not, give `minigpt.generate`'s tokens; 16 concurrent requests of different
+lengths each give their tokens alone; echo + logprobs give the model's own log-probabilities;
+stop strings, n, seeds; every bad request gets its 4xx and the server stays up; a client that
+goes away frees its slot; an API key is asked for where one is set, and required off loopback.
+
+One tiny untrained Llama with the TinyStories vocabulary, served once for the whole module on
+127.0.0.1 (a free port) from one device; a run directory served under a preset through the
+command line is tests/test_serve_load.py's. The text streams are checked without a server.
+"""
+
+import asyncio
+import json
+import time
+import types
+
+import numpy as np
+import pytest
+from conftest import small_vocab
+
+pytest.importorskip("fastapi", reason="the web stack is the [serve] extra")
+pytest.importorskip("sse_starlette", reason="the web stack is the [serve] extra")
+openai = pytest.importorskip("openai", reason="the openai client is the server's test client")
+httpx = pytest.importorskip("httpx", reason="comes with the openai client")
+
+from minigpt import chat_template  # noqa: E402
+from minigpt.generate import chat, generate_tokens  # noqa: E402
+from minigpt.serve import Engine, ServeError, Server, Service  # noqa: E402
+from minigpt.serve.text import TextStream  # noqa: E402
+from minigpt.tokenizer import load_tokenizer  # noqa: E402
+
+MODEL = small_vocab("llama-tiny")  # context 128
+SLOTS = 16
+
+
+def make_run(path, cfg=MODEL):
+    """A run directory holding an untrained model's weights as its checkpoint."""
+    import jax
+    from flax import nnx
+
+    from minigpt.checkpoint import Checkpointer
+    from minigpt.models import build_model
+    from minigpt.runs import RunDir
+
+    run = RunDir(path)
+    run.path.mkdir(parents=True)
+    run.write(cfg, None)
+    checkpointer = Checkpointer(run.checkpoints, async_save=False)
+    checkpointer.save(0, build_model(cfg, rngs=nnx.Rngs(0)), None, data_state={},
+                      rng=jax.random.key(0))
+    checkpointer.wait()
+    checkpointer.close()
+    return run.path
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The tiny model served on one device: what is checked is the server and its engine,
+    which no layout changes (tests/test_serve_load.py serves a run directory under a preset
+    through the command line)."""
+    from flax import nnx
+
+    from minigpt.models import build_model
+
+    engine = Engine(build_model(MODEL, rngs=nnx.Rngs(0)), slots=SLOTS, log=lambda line: None)
+    engine.start()
+    service = Service(engine=engine, tokenizer=load_tokenizer(MODEL.tokenizer), name="tiny",
+                      context=MODEL.context_len, vocab_size=MODEL.vocab_size, max_batch=SLOTS)
+    running = Server(service, "127.0.0.1", 0).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def solo(server, prompt, max_new):
+    """What minigpt.generate gives for this prompt alone, greedily."""
+    engine = server.service.engine
+    with engine.context():
+        return generate_tokens(engine.model, [prompt], max_new_tokens=max_new,
+                               temperature=0.0, stop_ids=server.service.tokenizer.stop_tokens)[0]
+
+
+def ids_of(logprobs_tokens):
+    return [int(t.removeprefix("token_id:")) for t in logprobs_tokens]
+
+
+def test_greedy_completions_streamed_or_not_give_generates_tokens(server, client):
+    tokenizer = server.service.tokenizer
+    prompt = "Once upon a time"
+    expected = solo(server, tokenizer.encode_prompt(prompt), 20)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=20,
+                                      temperature=0, logprobs=0,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    assert ids_of(whole.choices[0].logprobs.tokens) == expected
+    assert whole.choices[0].text == tokenizer.decode(expected)
+    assert whole.choices[0].finish_reason == ("length" if len(expected) == 20 else "stop")
+    assert whole.usage.prompt_tokens == len(tokenizer.encode_prompt(prompt))
+    assert whole.usage.completion_tokens == len(expected)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=20,
+                                            temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_greedy_chats_streamed_or_not_give_generates_reply(server, client):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about a cat."}]
+    engine = server.service.engine
+    templated = chat_template.with_template(server.service.tokenizer)[0]
+    with engine.context():
+        expected = chat(engine.model, templated, messages, max_new_tokens=12, temperature=0.0)
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                           temperature=0)
+    assert whole.choices[0].message.content == expected
+    assert whole.choices[0].message.role == "assistant"
+    rendered = templated.encode_ordinary(templated.render_chat(messages))
+    assert whole.usage.prompt_tokens == len(rendered)
+    stream = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                            max_completion_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_sixteen_concurrent_requests_of_different_lengths_each_give_their_solo_tokens(
+        server):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 4000, n).tolist() for n in range(1, 17)]
+    budgets = [6 + (i * 5) % 17 for i in range(16)]  # they end at different steps
+    expected = [solo(server, p, 22)[:m] for p, m in zip(prompts, budgets)]
+
+    async def ask_all():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x") as aclient:
+            return await asyncio.gather(*(aclient.completions.create(
+                model="tiny", prompt=p, max_tokens=m, temperature=0, logprobs=0,
+                extra_body={"return_tokens_as_token_ids": True})
+                for p, m in zip(prompts, budgets)))
+
+    answers = asyncio.run(ask_all())
+    for answer, tokens in zip(answers, expected):
+        assert ids_of(answer.choices[0].logprobs.tokens) == tokens
+    assert server.service.engine.health()["slots_in_use"] == 0
+
+
+def test_echo_with_logprobs_gives_the_models_own_logprobs(server, client):
+    import jax
+    import jax.numpy as jnp
+
+    prompt = [7, 900, 31, 2048, 5, 77, 1234, 8]
+    engine = server.service.engine
+    with engine.context():
+        logits = jax.jit(lambda m, x: m(x))(engine.model, jnp.asarray([prompt]))[0]
+    own = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    scored = client.completions.create(model="tiny", prompt=[prompt], max_tokens=0, echo=True,
+                                       logprobs=1, temperature=0)
+    lp = scored.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(prompt)
+    np.testing.assert_allclose(lp.token_logprobs[1:], own[np.arange(7), prompt[1:]], atol=1e-4)
+    assert scored.usage.completion_tokens == 0
+    # As lm-evaluation-harness asks (max_tokens 1): the prompt's, then the new token's.
+    harness = client.completions.create(model="tiny", prompt=[prompt], max_tokens=1, echo=True,
+                                        logprobs=1, temperature=0)
+    lp = harness.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(prompt) + 1
+    np.testing.assert_allclose(lp.token_logprobs[1:-1], own[np.arange(7), prompt[1:]],
+                               atol=1e-4)
+    assert lp.token_logprobs[-1] == pytest.approx(own[-1].max(), abs=1e-4)
+    for given, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert max(top.values()) >= given - 1e-6
+
+
+def test_lm_evaluation_harness_reads_the_scores_and_the_tokenizer(server, client):
+    """What lm-evaluation-harness's local-completions model sends (its own payload) and how it
+    reads the answer (its own parser), and the vLLM tokenizer routes its remote tokenizer uses."""
+    harness = pytest.importorskip("lm_eval.models.openai_completions",
+                                  reason="lm-evaluation-harness is not installed")
+    import jax
+    import jax.numpy as jnp
+
+    context, continuation = [4095, 200, 17, 900], [31, 2048, 5]
+    engine = server.service.engine
+    with engine.context():
+        logits = jax.jit(lambda m, x: m(x))(engine.model, jnp.asarray([context + continuation]))
+    own = np.asarray(jax.nn.log_softmax(logits[0], axis=-1))
+    expected = sum(own[len(context) - 1 + i, t] for i, t in enumerate(continuation))
+    as_configured = types.SimpleNamespace(model="tiny")  # what the method reads of its model
+    payload = harness.LocalCompletionsAPI._create_payload(
+        as_configured, [context + continuation], generate=False)
+    answer = post(server, "/v1/completions", payload).json()
+    [(score, _)] = harness.LocalCompletionsAPI.parse_logprobs(answer, ctxlens=[len(context)])
+    assert score == pytest.approx(expected, abs=1e-4)
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    assert info["eos_token"] == "<|endoftext|>" and "<|im_start|>" in info["chat_template"]
+    assert post(server, "/tokenize", {"prompt": info["eos_token"],
+                                      "add_special_tokens": False}).json()["tokens"] == [4095]
+    ids = post(server, "/tokenize", {"prompt": "a cat", "add_special_tokens": False}).json()
+    assert post(server, "/detokenize", {"tokens": ids["tokens"]}).json()["prompt"] == "a cat"
+
+
+def test_stop_strings_n_and_seeds(server, client):
+    tokenizer = server.service.tokenizer
+    full = client.completions.create(model="tiny", prompt="The dog", max_tokens=16,
+                                     temperature=0).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = client.completions.create(model="tiny", prompt="The dog", max_tokens=16,
+                                    temperature=0, stop=[stop, "\x00never"])
+    assert cut.choices[0].text == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt="The dog", max_tokens=16,
+                                         temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
+    many = client.completions.create(model="tiny", prompt=["The dog", "A cat"], max_tokens=5,
+                                     n=2, temperature=0)
+    texts = {c.index: c.text for c in many.choices}
+    assert sorted(texts) == [0, 1, 2, 3] and texts[0] == texts[1] == full[:len(texts[0])]
+    assert texts[2] == texts[3] and tokenizer is server.service.tokenizer
+
+    def sample(seed):
+        return client.completions.create(model="tiny", prompt="The dog", max_tokens=12,
+                                         temperature=1.0, top_p=0.9, seed=seed).choices[0].text
+
+    assert sample(5) == sample(5) != sample(6)
+
+
+def post(server, path, body, **headers):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=data, timeout=30,
+                      headers={"content-type": "application/json", **headers})
+
+
+BAD = [  # (path, body, status, words of the message)
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x"', 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens must be an integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens must be an int"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature must be a nu"),
+    ("/v1/completions", {"prompt": {"text": "x"}}, 400, "prompt must be a string"),
+    ("/v1/completions", {"prompt": [1, "x"]}, 400, "prompt must be a string"),
+    ("/v1/completions", {"prompt": [[]]}, 400, "prompt must be"),
+    ("/v1/completions", {"prompt": [99999]}, 400, "not in the model's vocabulary"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "at least 0"),
+    ("/v1/completions", {"prompt": list(range(1, 130))}, 400, "past the model's context of 128"),
+    ("/v1/completions", {"prompt": list(range(1, 101)), "max_tokens": 40}, 400,
+     "ask for at most 28"),
+    ("/v1/completions", {"prompt": "x", "n": SLOTS + 1}, 400, "--max-batch"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs must be in [0, 5]"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, "not supported"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist here"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "needs a role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "must be text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 400}]}, 400,
+     "past the model's context"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 0}, 400, "at least 1"),
+    ("/v1/nowhere", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, said", BAD)
+def test_a_bad_request_gets_its_4xx_as_an_openai_error(server, path, body, status, said):
+    answer = post(server, path, body)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert said in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_the_server_stays_up_for_others_after_bad_requests(server, client):
+    for path, body, _, _ in BAD[:6]:
+        post(server, path, body)
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=3).usage
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["slots"] == SLOTS
+    assert health["slots_in_use"] == 0 and health["queue_length"] == 0
+    assert health["compiled"][0] == "decode step" and len(health["compiled"]) <= 4
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_server_goes_on(server, client,
+                                                                          monkeypatch):
+    engine = server.service.engine
+    step, failures = engine.programs.step, []
+
+    def fails_once(*args):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("the device went away")
+        return step(*args)
+
+    monkeypatch.setattr(engine.programs, "step", fails_once)
+    with pytest.raises(openai.InternalServerError, match="the device went away"):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=4)
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).usage
+    assert engine.health()["slots_in_use"] == 0
+
+
+def test_a_client_that_goes_away_frees_its_slot_at_once(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30, json={
+            "prompt": "Once", "max_tokens": 120, "stream": True, "temperature": 0}) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.service.engine.health()["slots_in_use"] == 1
+    began = time.monotonic()
+    while server.service.engine.health()["slots_in_use"] and time.monotonic() - began < 5:
+        time.sleep(0.01)
+    assert server.service.engine.health()["slots_in_use"] == 0
+    assert time.monotonic() - began < 1.0
+
+
+def test_an_api_key_is_asked_for_where_set_and_required_off_loopback(server, monkeypatch):
+    monkeypatch.setattr(server.service, "api_key", "sesame")
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    refused = post(server, "/v1/completions", {"prompt": "x"}, authorization="Bearer nope")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/v1/models", headers={
+        "authorization": "Bearer sesame"}).json()["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # for load balancers
+    monkeypatch.setattr(server.service, "api_key", None)
+    with pytest.raises(ServeError, match="--host 0.0.0.0 can be reached from other machines"):
+        Server(server.service, "0.0.0.0", 0)
+
+
+def test_the_command_line_refuses_an_exposed_host_without_a_key_before_loading(tmp_path,
+                                                                               capsys):
+    from minigpt.serve.cli import main
+
+    assert main(["--run", str(tmp_path / "nothing"), "--host", "0.0.0.0"]) == 2
+    assert "give an --api-key" in capsys.readouterr().err
+
+
+def test_the_chat_page_is_served_from_the_package(server):
+    page = httpx.get(f"{server.url}/")
+    assert page.status_code == 200 and 'id="stop"' in page.text and 'id="system"' in page.text
+    assert "http" not in page.text.split("<body>")[1]  # nothing fetched from elsewhere
+    script = httpx.get(f"{server.url}/static/chat.js")
+    assert script.status_code == 200 and "javascript" in script.headers["content-type"]
+    assert "/v1/chat/completions" in script.text and "AbortController" in script.text
+
+
+@pytest.mark.parametrize("stops, pieces, text", [
+    ((), ["Once", " upon"], "Once upon"),
+    (("up",), ["Once", " u", "pon"], "Once "),
+    (("upon a",), ["Once", " upon", " the"], "Once upon the"),
+    (("\n\n",), ["Hi", "\n", "\n", "there"], "Hi"),
+])
+def test_the_text_stream_holds_back_what_may_become_a_stop_string(stops, pieces, text):
+    enc = load_tokenizer("tinystories-4k")
+    stream = TextStream(enc, stops=stops)
+    out = ""
+    for piece in pieces:
+        for token in enc.encode_ordinary(piece):
+            delta = stream.add(token)
+            out += delta
+            assert not any(s in out for s in stops)
+    assert out + stream.finish() == text
+
+
+def test_the_text_stream_waits_for_whole_characters():
+    enc = load_tokenizer("tinystories-4k")
+    tokens = enc.encode_ordinary("a café 🐈 here")
+    stream = TextStream(enc)
+    pieces = [stream.add(t) for t in tokens]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + stream.finish() == "a café 🐈 here"

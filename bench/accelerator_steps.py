@@ -109,7 +109,7 @@ def mfu(settings: dict) -> dict:
     import jax
 
     import minigpt.models.kernels as kernels
-    from minigpt.models import flops
+    from minigpt.models import execution, flops
 
     sizes = DRY if settings["dry_run"] else DEVICE
     fused = "splash" if jax.default_backend() == "tpu" else "cudnn"
@@ -127,8 +127,10 @@ def mfu(settings: dict) -> dict:
                   key=lambda run: (run[4] != "bfloat16", run[4] == "float32" and run[5] == "fused"))
     plan = [(*run[:5], fused if run[5] == "fused" else run[5], None) for run in plan]
     # First the steps the speed comparison sets beside the trainer, named
-    # (bench.accelerator_speed.STEP_RUNS), each in bfloat16 with the fused attention.
-    named = [(m, b, t, ch, "bfloat16", fused, name)
+    # (bench.accelerator_speed.STEP_RUNS), in the dtype and with the kernels `auto` picks here,
+    # as the trainer runs them (bfloat16 and the fused attention on an accelerator).
+    auto = (execution.compute_dtype("auto"), execution.kernel_set("auto"))
+    named = [(m, b, t, ch, *auto, name)
              for name, m, b, t, ch in speed.STEP_RUNS["dry" if settings["dry_run"] else "device"]]
     plan = named + [run for run in plan if run[:6] not in [n[:6] for n in named]]
     runs, skipped, last = [], [], 0.0

@@ -1,6 +1,6 @@
 """Where an accelerator's train step goes: one zoo model's step timed under variants (layers
-scanned or unrolled, batch size, XLA flags) and split into its parts (forward, forward and
-backward, the whole step with the optimizer), each after a warm-up call.
+scanned or unrolled, batch size, FP8 products, XLA flags) and split into its parts (forward,
+forward and backward, the whole step with the optimizer), each after a warm-up call.
 
     python bench/bench_gpu_step.py --out FILE.json               # on a GPU: gpt2-small, stories-gpu
     python bench/bench_gpu_step.py --out FILE.json --tiny        # the same code on a CPU, tiny
@@ -37,8 +37,8 @@ FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 
 def parts(label: str, model: str, batch: int, seq: int, changes: dict, repeats: int) -> list:
     """Forward, forward and backward, and the whole step, of one model as it is configured,
-    then the whole step with its layers unrolled (or scanned, if they were unrolled) and at
-    twice the batch."""
+    then the whole step with its layers unrolled (or scanned, if they were unrolled), at twice
+    the batch, and with FP8 products."""
     from bench.accelerator_steps import _time_train_step
     from minigpt.models import get_config
 
@@ -46,7 +46,8 @@ def parts(label: str, model: str, batch: int, seq: int, changes: dict, repeats: 
     scanned = changes.get("scan_layers", get_config(model).scan_layers)
     for name, b, extra in (("layers " + ("unrolled" if scanned else "scanned"), batch,
                             {"scan_layers": not scanned}),
-                           (f"batch {2 * batch}", 2 * batch, {})):
+                           (f"batch {2 * batch}", 2 * batch, {}),
+                           ("FP8 products (model.fp8)", batch, {"fp8": True})):
         run = _time_train_step(model, b, seq, {**changes, **extra}, "auto", "auto", repeats)
         rows.append({"label": f"{label}, {name}", "batch": b, "seq": seq,
                      "step_ms": 1e3 * run["step_s"], "tokens_per_s": run["tokens_per_s"],

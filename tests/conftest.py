@@ -13,6 +13,7 @@ need TinyStories text use a small synthetic fixture, and tiktoken downloads its 
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -195,6 +196,46 @@ def small_vocab(name: str, **changes):
                                **changes)
 
 
+class Snapshot(dict):
+    """Every path under some folders (`roots`), each file with the sha256 of its bytes, each
+    folder as "dir": equal to a later snapshot of the same folders where nothing under them was
+    written, changed or removed."""
+
+    def __init__(self, *roots):
+        self.roots = tuple(Path(root) for root in roots)
+        super().__init__((str(p), hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file()
+                          else "dir") for root in self.roots for p in sorted(root.rglob("*")))
+
+
+def snapshot(*roots) -> Snapshot:
+    """What is under `roots` now (`Snapshot`), for `refused(..., unchanged=...)`."""
+    return Snapshot(*roots)
+
+
+def refused(output, code: int, *messages: str, unchanged: Snapshot | None = None,
+            quiet: bool = False) -> str:
+    """Assert that a command refused its input as every user error is refused: exit status 2,
+    stderr exactly one line that starts "error: " and holds each of `messages`, no traceback on
+    stdout or stderr; with `unchanged` (a `snapshot` taken before the command), every file and
+    folder under its roots as they were; with `quiet`, nothing on stdout. `output` is the capsys
+    fixture (read, so consumed) or a finished `subprocess.CompletedProcess` (text). Returns the
+    line."""
+    if isinstance(output, subprocess.CompletedProcess):
+        out, err = output.stdout or "", output.stderr or ""
+    else:
+        out, err = output.readouterr()
+    assert code == 2, (code, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in out + err, out + err
+    for message in messages:
+        assert message in err, err
+    if quiet:
+        assert out == "", out
+    if unchanged is not None:
+        assert snapshot(*unchanged.roots) == unchanged
+    return err
+
+
 def tensorboard_scalars(directory) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in a TensorBoard log directory, as TensorBoard's own reader sees it:
     tag -> [(step, value)] in the order written."""
@@ -279,6 +320,20 @@ def straight(tmp_path_factory):
         return done[key]
 
     return losses_of
+
+
+@pytest.fixture(scope="session")
+def wordpiece_run(tmp_path_factory) -> Path:
+    """A tiny Llama in the Hugging Face layout with a WordPiece tokenizer, a chat template and
+    two end tokens (tests/tiny_llama.py), imported once per test process: a run at step 0."""
+    from tiny_llama import hf_folder
+
+    from minigpt import hub
+
+    root = tmp_path_factory.mktemp("wordpiece")
+    hf = hf_folder(root / "hf", files={"generation_config.json": {"eos_token_id": [2, 3]}})
+    assert hub.main(["import", str(hf), "--out", str(root / "run")]) == 0
+    return root / "run"
 
 
 @pytest.fixture(scope="session")

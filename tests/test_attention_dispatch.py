@@ -15,6 +15,7 @@ from flax import nnx
 
 from minigpt import explain, sharding
 from minigpt.models import attention, build_model, execution, get_config, kernels
+from minigpt.models.masks import AttentionInputs, document_positions
 
 B, T, VOCAB = 2, 128, 256  # 2 of the CPU kernels' attention blocks, one of Splash's
 
@@ -107,16 +108,17 @@ def test_a_refusal_falls_back_to_xla_and_is_said_once(monkeypatch):
     monkeypatch.setitem(kernels.FUSED_BACKENDS, "cudnn", jax.default_backend())
     q, k, v = qkv()
     segments = packed_batch()["segment_ids"]
+    attn = AttentionInputs(document_positions(segments), segments)
     fused = kernels.get("cudnn")
     with pytest.warns(UserWarning, match=r"cudnn attention refused this call \(.*Error: .*\); "
                                          r"XLA's attention runs instead"):
-        out = fused.causal_attention(q, k, v, segments)
+        out = fused.causal_attention(q, k, v, attn)
     np.testing.assert_array_equal(out, kernels.get("reference").causal_attention(q, k, v,
-                                                                                 segments))
+                                                                                 attn))
     assert len(kernels.FALLBACKS) == 1 and kernels.FALLBACKS[0].startswith("cudnn: ")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once: a second refusal for the same reason is quiet
-        fused.causal_attention(q, k, v, segments)
+        fused.causal_attention(q, k, v, attn)
         mask = jnp.ones((B, 1, T, T), bool)
         np.testing.assert_array_equal(fused.cached_attention(q, k, v, mask),
                                       jax.nn.dot_product_attention(q, k, v, mask=mask))
@@ -135,11 +137,12 @@ def test_splash_in_the_interpreter_equals_the_reference_alone_and_under_a_preset
     (the context's `splash_interpret`): outputs and gradients equal to the plain reference's."""
     q, k, v = qkv(batch=4)
     segments = jnp.concatenate([packed_batch(1)["segment_ids"]] * 2)
+    attn = AttentionInputs(document_positions(segments), segments)
     weights = jnp.asarray(np.random.default_rng(3).normal(size=q.shape), jnp.float32)
 
     def grads(ops):
         def loss(q, k, v):
-            return jnp.sum(jnp.sin(ops.causal_attention(q, k, v, segments)) * weights)
+            return jnp.sum(jnp.sin(ops.causal_attention(q, k, v, attn)) * weights)
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     want = grads(kernels.get("reference"))

@@ -15,7 +15,7 @@ from flax import nnx
 from minigpt import sharding
 from minigpt.data.documents import text_targets, window_documents
 from minigpt.models import build_model
-from minigpt.models.decoder import loss_batch
+from minigpt.models.inputs import loss_batch
 
 EOT, BOS = 9, 8
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, child_env
+from conftest import REPO, child_env, refused
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is the [eval] extra: "
                                       "pip install \"minigpt[eval]\"")
@@ -311,9 +311,7 @@ def test_a_users_mistake_is_one_line_and_status_2(llama, tmp_path, capsys, args,
     places = {"missing": str(tmp_path / "nowhere"), "text": str(tmp_path / "story.txt"),
               "run": str(llama["run"]), "tasks": str(llama["tasks"]),
               "binary": str(tmp_path / "binary.txt")}
-    assert main([a.format(**places) for a in args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
+    refused(capsys, main([a.format(**places) for a in args]), says)
 
 
 # --- with -m slow: the GPT-2 checkpoint, presets, chat templates, a process of its own ----------

@@ -177,3 +177,60 @@ def test_cli_refuses_a_run_trained_with_another_vocabulary(tmp_path, capsys):
     assert main(["--run", str(run)]) == 2
     err = capsys.readouterr().err
     assert "32000" in err and "50257" in err
+
+
+def test_the_bisected_kth_largest_is_top_ks_and_draws_the_same_tokens():
+    from minigpt.models.sampling import kth_largest
+
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(size=(4, 4096)) * 3,
+            np.round(rng.normal(size=(4, 4096)) * 2) / 2,  # many ties
+            np.concatenate([rng.normal(size=(4, 100)), np.full((4, 28), -np.inf)], axis=1),
+            np.array([[1.0, 1.0, -0.0, 0.0, -2.5, 3.0e38, -3.0e38, 1e-40]]),  # signs, extremes
+            np.zeros((2, 64))]
+    for x in map(lambda r: jnp.asarray(r, jnp.float32), rows):
+        for k in sorted({k for k in (1, 2, 5, 50) if k < x.shape[1]} | {x.shape[1] - 1,
+                                                                         x.shape[1]}):
+            want = np.asarray(jax.lax.top_k(x, k)[0][:, -1])
+            np.testing.assert_array_equal(np.asarray(kth_largest(x, k)), want, err_msg=str(k))
+    logits = jnp.asarray(rows[1], jnp.float32)
+    for i in range(10):
+        key = jax.random.key(i)
+        np.testing.assert_array_equal(
+            np.asarray(sample_logits(logits, key, temperature=0.7, top_k=20, top_p=0.9,
+                                     bisect_top_k=True)),
+            np.asarray(sample_logits(logits, key, temperature=0.7, top_k=20, top_p=0.9)))
+
+
+def test_decoding_casts_the_weights_once_to_what_each_layer_computes_in():
+    # What the decode loop carries: each projection's and table's weights in its layer's dtype
+    # (the router of a mixture stays in float32, as it computes), norms untouched; a model made
+    # of them computes the same logits, bit for bit.
+    from minigpt.models.layers import Dense, Embedding
+    from minigpt.models.sampling import in_compute_dtypes
+
+    for name in ("minigpt-tiny", "moe-tiny"):
+        model = build_model(small_vocab(name, dtype="bfloat16"), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        cast = in_compute_dtypes(model, state)
+        originals = dict(nnx.to_flat_state(state))
+        layers = {path: layer for path, layer in nnx.iter_graph(model)
+                  if isinstance(layer, Dense | Embedding)}
+        for path, variable in nnx.to_flat_state(cast):
+            layer = layers.get(tuple(path[:-1]))
+            original = originals[path].get_value()
+            if layer is not None:
+                assert variable.get_value().dtype == layer.dtype, path
+                np.testing.assert_array_equal(np.asarray(variable.get_value(), np.float32),
+                                              np.asarray(original.astype(layer.dtype),
+                                                         np.float32))
+            else:
+                assert variable.get_value() is original, path
+        assert any(layer.dtype == jnp.float32 for layer in layers.values()) == (name == "moe-tiny")
+        decode = nnx.jit(lambda m, x, positions, cache: m.decode(x, positions, cache)[0])
+        tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+        positions = jnp.arange(4, dtype=jnp.int32)[None]
+        cache = model.init_cache(1, 8, dtype=jnp.bfloat16)
+        np.testing.assert_array_equal(
+            np.asarray(decode(nnx.merge(graphdef, cast), tokens, positions, cache)),
+            np.asarray(decode(model, tokens, positions, cache)))

@@ -97,13 +97,21 @@ def test_no_package_doorway_is_over_120_lines():
     assert long == {}
 
 
+# The line caps kept, each because it guides: a module is read in one sitting (400 lines); a
+# package's __init__ only hands names on (120); the trainer is the run's story, read top to
+# bottom (350); a function fits on a screen unless its docstring says why not (60). One module
+# is let past its cap, saying why: the configs are the reference users read, every field beside
+# the comment that says what it means, and splitting them would part fields that go together.
+LONGER = {"minigpt.config": 450}
+
+
 def test_no_module_is_over_four_hundred_lines():
     long = {module_name(p): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 400}
+            if (n := len(p.read_text().splitlines())) > LONGER.get(module_name(p), 400)}
     assert long == {}
 
 
-def test_the_trainer_tells_the_run_in_about_350_lines():
+def test_the_trainer_tells_the_run_in_at_most_350_lines():
     assert len((PACKAGE / "train" / "trainer.py").read_text().splitlines()) <= 350
 
 

@@ -107,7 +107,11 @@ def test_a_plan_compiles_nothing_and_takes_under_a_second():
 
 def test_sizes_read_as_people_write_them():
     assert plan.parse_size("16GiB") == 16 * 2**30 and plan.parse_size("80GB") == 80 * 10**9
-    assert plan.parse_size("512 MiB") == 512 * 2**20 and plan.parse_size("1234") == 1234
+    assert plan.parse_size("512 MiB") == 512 * 2**20
+    assert plan.parse_size("17179869184") == 16 * 2**30  # plain bytes
+    for typo in ("1234", "0.5", "9" * 401):  # a kibibyte, half a byte, 401 digits: no device
+        with pytest.raises(ConfigError, match="give a size such as 16GiB"):
+            plan.parse_size(typo)
     with pytest.raises(ConfigError, match="16GiB"):
         plan.parse_size("lots")
 

@@ -15,6 +15,7 @@ from minigpt.generate import generate_recompute, generate_tokens
 from minigpt.models import CONFIGS, build_model, count_params, get_config
 from minigpt.models.__main__ import main as list_zoo
 from minigpt.models.layers import apply_rope
+from minigpt.models.masks import AttentionInputs
 
 PROMPTS = [[464, 3797, 3332], list(range(100, 131)), [7]]
 
@@ -85,7 +86,7 @@ def test_grouped_query_attention_equals_multi_head_attention_with_repeated_kv_he
     probs /= probs.sum(-1, keepdims=True)
     expected = np.einsum("btnh,nhd->btd", np.einsum("bnts,bsnh->btnh", probs, v), w["out"])
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-    got, _ = block.attention(jnp.asarray(x, jnp.float32), positions)
+    got, _ = block.attention(jnp.asarray(x, jnp.float32), AttentionInputs(positions))
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
 
 

@@ -136,18 +136,22 @@ def _inspect_command(args: argparse.Namespace) -> int:
     found = describe(corpus)
     if args.doc is not None:
         found["doc"] = corpus.document(args.doc)
-    if args.json:
-        print(json.dumps(found))
-        return 0
-    print(f"{found['path']}: {found['tokens']:,} tokens, {found['documents']:,} documents, "
-          f"tokenizer {found['tokenizer']} ({found['dtype']}), {found['layout']}")
-    for split, counts in found["splits"].items():
+    lines = [json.dumps(found)] if args.json else [
+        f"{found['path']}: {found['tokens']:,} tokens, {found['documents']:,} documents, "
+        f"tokenizer {found['tokenizer']} ({found['dtype']}), {found['layout']}"]
+    for split, counts in ({} if args.json else found["splits"]).items():
         files = sum(s["split"] == split for s in found["shards"])
-        print(f"  {split}: {counts['tokens']:,} tokens, {counts['documents']:,} documents, "
-              f"{files} file{'s' * (files != 1)}")
-    if args.doc is not None:
+        lines.append(f"  {split}: {counts['tokens']:,} tokens, {counts['documents']:,} "
+                     f"documents, {files} file{'s' * (files != 1)}")
+    if args.doc is not None and not args.json:
         doc = found["doc"]
-        print(f"document {doc['number']} ({doc['split']}, {doc['tokens']} tokens): {doc['ids']}")
+        lines.append(f"document {doc['number']} ({doc['split']}, {doc['tokens']} tokens): "
+                     f"{doc['ids']}")
+    try:
+        print("\n".join(lines))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -8,10 +8,12 @@ split (`train.bin`, `val.bin`). Both are read here as a `TokenStream`: a split's
 into memory (never read whole), window i being tokens [i*T, i*T + T + 1) of the stream whatever
 piece they lie in, so the loader has one way to read either. Opening a sharded folder checks
 every shard's header against meta.json (tokenizer, vocabulary hash, counts, places) before a
-token is read. Mapped pages count towards a process's resident memory until released, so a
-stream hands them back to the page cache (`madvise(MADV_DONTNEED)`) every `RELEASE_BYTES` it
-reads, and asks the kernel for each window's pages before copying them (`MADV_WILLNEED`), so
-that reads from a folder larger than memory wait on the disk together rather than one by one.
+token is read. Mapped pages count towards a process's resident memory until unmapped, and a
+page fault may map a whole page-cache folio around the page it needs (2 MB here: 64 windows of a
+batch mapped 120 MB), so a stream unmaps each window's `FOLIO`-aligned blocks as soon as it has
+copied the window (`madvise(MADV_DONTNEED)`: the pages stay in the page cache), and asks the
+kernel for a batch's pages before copying them (`MADV_WILLNEED`), so that reads from a folder
+larger than memory wait on the disk together rather than one by one.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ from minigpt.data.shards import ShardHeader, document_index, read_header
 from minigpt.data.token_files import SPLITS, DataError, load_meta, split_path, token_file_problem
 
 SHARDS = "shards"  # meta.json's "kind" for a sharded corpus
-RELEASE_BYTES = 64 << 20  # mapped bytes read between two releases of the mapping's pages
-FAULT_AROUND = 64 << 10  # what a page fault may map around the page it needs (Linux' default)
+FOLIO = 2 << 20  # the most a page fault maps around the page it needs (a huge page)
 
 
 def _mapped(path: Path, offset: int, count: int, dtype: np.dtype
@@ -56,7 +57,6 @@ class TokenStream:
         self._maps = [m for _, m in mapped]
         self._offsets = np.array([offset for _, offset, _ in pieces], np.int64)  # in the files
         self.starts = np.cumsum([0] + [count for _, _, count in pieces])  # [pieces + 1]
-        self._read_since_release = 0
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -80,11 +80,11 @@ class TokenStream:
         for p in np.unique(piece[inside]):
             rows = np.flatnonzero(inside & (piece == p))
             out[rows] = self._arrays[p][local[rows, None] + span]  # [r, length]
+            self._advise(mmap.MADV_DONTNEED, piece[rows], local[rows], length, FOLIO)
         for row in np.flatnonzero(~inside):
             self._copy_into(out[row], int(starts[row]))
-        self._read_since_release += len(starts) * (length * self.dtype.itemsize + FAULT_AROUND)
-        if self._read_since_release > RELEASE_BYTES:
-            self.release()
+        if (~inside).any():
+            self.release()  # rare: a window across two shards
         return out
 
     def _copy_into(self, out: np.ndarray, start: int) -> None:
@@ -102,24 +102,29 @@ class TokenStream:
     def _will_need(self, piece: np.ndarray, local: np.ndarray, length: int) -> None:
         """Ask the kernel to start reading the rows' pages now, all of a batch's at once, so
         that reads from the disk wait together rather than one after another."""
-        if not hasattr(mmap.mmap, "madvise"):
+        self._advise(mmap.MADV_WILLNEED if hasattr(mmap, "MADV_WILLNEED") else None, piece,
+                     local, length, mmap.PAGESIZE)
+
+    def _advise(self, option: int | None, piece: np.ndarray, local: np.ndarray, length: int,
+                block: int) -> None:
+        """madvise(option) over the `block`-aligned bytes of each row."""
+        if option is None or not hasattr(mmap.mmap, "madvise"):
             return
         size = self.dtype.itemsize
         begin = self._offsets[piece] + local * size
-        aligned = begin - begin % mmap.PAGESIZE
-        for p, first, start in zip(piece.tolist(), aligned.tolist(), begin.tolist()):
+        first = begin - begin % block
+        last = -(-(begin + length * size) // block) * block
+        for p, a, b in zip(piece.tolist(), first.tolist(), last.tolist()):
             mapping = self._maps[p]
             if mapping is not None:
-                end = min(len(mapping), start + length * size)
-                mapping.madvise(mmap.MADV_WILLNEED, first, end - first)
+                mapping.madvise(option, a, min(b, len(mapping)) - a)
 
     def release(self) -> None:
-        """Hand the pages mapped so far back to the page cache: the resident memory they took
-        is freed, the data stays cached for whoever reads it next."""
+        """Unmap every page mapped so far: the resident memory they took is freed, the data
+        stays in the page cache for whoever reads it next."""
         for mapping in self._maps:
             if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
                 mapping.madvise(mmap.MADV_DONTNEED)
-        self._read_since_release = 0
 
 
 @dataclasses.dataclass

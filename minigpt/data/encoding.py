@@ -15,11 +15,13 @@ caller's `__main__`), so starting them is cheap and safe inside a process that r
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import multiprocessing
 import os
 import signal
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -125,7 +127,8 @@ def encoded(tasks: Iterable[Task], job: Job, workers: int) -> Iterator[Encoded]:
     """Every task encoded, in order, by `workers` processes, at most a few tasks per worker
     in flight so memory stays bounded however large the corpus."""
     context = _context()
-    pool = context.Pool(max(1, workers), initializer=_start_worker)
+    with _main_hidden():
+        pool = context.Pool(max(1, workers), initializer=_start_worker)
     pending: collections.deque = collections.deque()
     try:
         for task in tasks:
@@ -138,6 +141,24 @@ def encoded(tasks: Iterable[Task], job: Job, workers: int) -> Iterator[Encoded]:
     finally:
         pool.terminate()
         pool.join()
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """Start processes without the caller's `__main__`: multiprocessing would import it again in
+    each worker, running a script that lacks an `if __name__ == "__main__":` guard once more (and
+    failing for code read from stdin, which the pool then restarts forever). Workers need
+    nothing of it; the pool starts them all while it is hidden."""
+    main = sys.modules["__main__"]
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    try:
+        main.__spec__ = None
+        if "__file__" in saved:
+            del main.__file__
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)
 
 
 def _context() -> multiprocessing.context.BaseContext:

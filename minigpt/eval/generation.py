@@ -65,7 +65,7 @@ def _batch(model, prompts: list[list[int]], batch_size: int, context: int, max_n
     if longest + max_new > context or min(len(p) for p in prompts) == 0:
         raise ValueError(f"prompts of 1 to {context - max_new} tokens leave room for {max_new} "
                          f"new ones in a context of {context}; got {longest}")
-    P = min(bucket(longest, context), context)
+    P = bucket(longest, context)
     tokens = np.zeros((batch_size, P), np.int32)
     lengths = np.ones(batch_size, np.int32)  # padding rows: one token, and done from the start
     for b, prompt in enumerate(prompts):

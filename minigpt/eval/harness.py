@@ -32,7 +32,7 @@ from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_tex
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from minigpt import chat_template, runtime
-from minigpt.eval import generation
+from minigpt.eval.generation import generate
 from minigpt.eval.loading import EvalError, load
 from minigpt.eval.scoring import Row, Scorer
 from minigpt.eval.tokens import HarnessTokenizer
@@ -173,7 +173,7 @@ class MiniGPTLM(TemplateLM):
                          "top_k": int(settings.get("top_k") or 0),
                          "top_p": float(settings.get("top_p") or 1.0)}
                         if settings.get("do_sample") else None)
-            new = generation.generate(
+            new = generate(
                 self.evaluated, prompts, max_new=max_new,
                 stop=functools.partial(self.vocab.stop_at, stops=until, stop_lengths=lengths),
                 batch_size=self.batch, sampling=sampling, seed=self.seed,

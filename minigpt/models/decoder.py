@@ -24,14 +24,10 @@ import minigpt.models.lora as lora
 import minigpt.models.loss as loss
 from minigpt import parallel, pipeline, sharding
 from minigpt.config import ModelConfig
-from minigpt.errors import UserError
+from minigpt.models.inputs import check_inputs, in_run_order, loss_batch, positions_in
 from minigpt.models.layers import ACTIVATION_AXES, fold_keys, row_keys, token_keys
 from minigpt.models.masks import AttentionInputs, document_positions
 from minigpt.sharding import constrain
-
-
-class InputError(UserError, ValueError):
-    """Arrays given to a model that it cannot read; the message names the argument."""
 
 
 def mask_padded_vocab(logits: jax.Array, vocab_size: int) -> jax.Array:
@@ -232,7 +228,7 @@ class DecoderLM(nnx.Module):
         keys = dropout_key
         if keys is not None and keys.ndim == 0:
             keys = row_keys(keys, B)
-        places = _positions(order, B, T)  # each token's place in the window
+        places = positions_in(order, B, T)  # each token's place in the window
         positions = places if positions is None else positions
         # Dropout keys go by the place in the window, which no two tokens of a row share.
         keys = None if keys is None else token_keys(keys, places)  # [B, T]
@@ -290,7 +286,7 @@ class DecoderLM(nnx.Module):
             self, nnx.All(in_blocks, wrt), in_blocks, wrt, ...)
         stand_in = loss.placeholders(nnx.merge_state(blocks, frozen_blocks))  # never read
         B, T = batch["inputs"].shape
-        places = _positions(parallel.sequence_order(T), B, T)
+        places = positions_in(parallel.sequence_order(T), B, T)
         batch = in_run_order(batch)
         inputs = {"tokens": batch["inputs"], "targets": batch["targets"],
                   "keys": None if keys is None else token_keys(keys, places),
@@ -340,59 +336,6 @@ class DecoderLM(nnx.Module):
         """An empty cache for `batch` rows of at most `length` positions."""
         cfg = self.config
         return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype)
-
-
-def check_inputs(tokens, **per_token) -> None:
-    """Refuse (InputError, naming the argument) token ids that are not an integer [B, T] array,
-    and arrays given beside them (`segment_ids`, `positions`) that are not integers of the same
-    shape: inside the model they would fail as broadcasting errors naming neither."""
-    shape = getattr(tokens, "shape", None)
-    if shape is None or len(shape) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise InputError(f"tokens must be integer ids [batch, positions], got "
-                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} {shape}")
-    for name, value in per_token.items():
-        if value is None:
-            continue
-        got = getattr(value, "shape", None)
-        if got != tuple(shape) or not jnp.issubdtype(value.dtype, jnp.integer):
-            raise InputError(f"{name} must be integers of the tokens' shape {tuple(shape)} (one "
-                             f"per token), got {getattr(value, 'dtype', type(value).__name__)} "
-                             f"{got}")
-
-
-def loss_batch(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """A batch as the loss reads it. "positions" (each token's place in its document) come from
-    "segment_ids" where the batch gives ids but no positions. Which targets are trained: a
-    "loss_mask" [B, T] (1 trained, 0 not; with ids but no mask, every target but padding's,
-    id 0) becomes "weights", scaled so that they average 1 over the batch: the loss is then a
-    mean over positions, as without a mask, whatever microbatches or pipeline stages it is
-    split into, and equals the mean over the trained targets of the whole batch. A batch that
-    already has "weights" is returned as it is."""
-    if "weights" in batch or ("loss_mask" not in batch and "segment_ids" not in batch):
-        return batch
-    batch = dict(batch)
-    segments = batch.get("segment_ids")
-    if segments is not None and "positions" not in batch:
-        batch["positions"] = document_positions(segments)
-    mask = batch.pop("loss_mask", None)
-    mask = (segments != 0) if mask is None else mask
-    mask = mask.astype(jnp.float32)
-    batch["weights"] = mask * (mask.size / jnp.maximum(jnp.sum(mask), 1.0))
-    return batch
-
-
-def in_run_order(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """A batch of [B, T] arrays with its positions in the order the model runs them
-    (`parallel.sequence_order`: under a preset that splits the sequence with load balancing,
-    each device's two chunks; elsewhere as given)."""
-    order = parallel.sequence_order(next(iter(batch.values())).shape[1])
-    return batch if order is None else {k: v[:, order] for k, v in batch.items()}
-
-
-def _positions(order: np.ndarray | None, B: int, T: int) -> jax.Array:
-    """Every token's place in its sequence [B, T], for tokens in `order` (None: 0..T-1)."""
-    return jnp.broadcast_to(jnp.asarray(np.arange(T) if order is None else order, jnp.int32),
-                            (B, T))
 
 
 def _report_metrics(report: dict[str, jax.Array], positions: int

@@ -23,9 +23,10 @@ scaling and unscaling are exact and the only error is the FP8 rounding itself; t
 uses between half and all of the format's range.
 
 The quantized operands are dequantized (converted back up and multiplied by the inverse scale)
-right before a dot in the compute dtype: the pattern XLA's GPU compiler turns into one FP8 GEMM
-(cuBLASLt) with the scales as its arguments; elsewhere (a CPU) XLA computes the same casts and
-the same float32 accumulation, so the tests check the numerics there. Products whose sizes are
+right before a dot in the compute dtype: the pattern XLA's GPU compiler rewrites into one FP8
+GEMM (cuBLASLt) with the scales as its arguments (not yet seen on a GPU: no FP8 run of minigpt
+has been measured); elsewhere (a CPU) XLA computes the same casts and the same float32
+accumulation, so the tests check the numerics there. Products whose sizes are
 not multiples of 16 (what an FP8 GEMM needs) run as plain products, as do those of KV-cache
 decoding (`suspended`): a step of one token per row is bound by reading the weights, and
 quantizing them afresh each step would only read them more.

@@ -23,7 +23,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array,
                   weights: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy; logits [B, T, V] float32 (padding at -inf), targets [B, T] int:
     log-sum-exp of a row minus its target's logit, each position's term times its weight
-    [B, T] where given (`minigpt.models.decoder.loss_batch`)."""
+    [B, T] where given (`minigpt.models.inputs.loss_batch`)."""
     nats = jax.nn.logsumexp(logits, axis=-1) - target_logits(logits, targets)
     return jnp.mean(nats if weights is None else nats * weights)
 

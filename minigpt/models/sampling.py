@@ -11,7 +11,6 @@ any of its stop tokens.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 
 import jax
@@ -21,18 +20,23 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import minigpt.models.fp8 as fp8
+from minigpt import sharding
 from minigpt.models.decoder import DecoderLM
-from minigpt.models.execution import compute_dtype
+from minigpt.models.execution import compute_dtype, kernel_set
+from minigpt.models.layers import Dense, Embedding
 
 
 def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float, top_k: int,
-                  top_p: float) -> jax.Array:
-    """Draw one token per row from logits [B, V]; temperature 0 means greedy."""
+                  top_p: float, bisect_top_k: bool = False) -> jax.Array:
+    """Draw one token per row from logits [B, V]; temperature 0 means greedy. `bisect_top_k`
+    finds the k-th largest logit with `kth_largest` instead of `jax.lax.top_k` (the same value:
+    the same tokens), which XLA's CPU backend runs far faster."""
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits / temperature
     if top_k:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+        kth = (kth_largest(logits, top_k) if bisect_top_k
+               else jax.lax.top_k(logits, top_k)[0][:, -1])[:, None]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p < 1.0:
         # Keep the smallest set of tokens whose probability reaches top_p: a token stays if the
@@ -47,8 +51,36 @@ def sample_logits(logits: jax.Array, key: jax.Array, *, temperature: float, top_
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(nnx.jit, static_argnames=("max_new", "cache_len", "temperature", "top_k",
-                                             "top_p", "stop_ids", "stream"))
+def kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """The k-th largest value of each row of x [B, V] (counting repeats, as `jax.lax.top_k`'s
+    k-th value), exactly: a bisection over float32's order written as unsigned integers, each
+    of its 32 steps a count of the row's values at or above a candidate [B].
+
+    `jax.lax.top_k` sorts on XLA's CPU backend: over GPT-2's 50,304 logits it took 14 ms a row
+    at batch 1 and 167-277 ms at batch 16 on a 2-core VM, where this takes 0.7 and 18-24 ms
+    (bench/RESULTS.md, 2026-11-27); accelerators keep `top_k`, which they run as a kernel of
+    its own, where 32 reductions would be 32 launches.
+    """
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    sign = jnp.uint32(0x80000000)
+    keys = jnp.where(bits & sign, ~bits, bits | sign)  # ordered as the floats they encode
+    lo = jnp.zeros(x.shape[:1], jnp.uint32)  # at least k keys are >= lo, throughout
+    hi = jnp.full(x.shape[:1], 0xFFFFFFFF, jnp.uint32)  # and none above hi is the answer
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2  # the upper middle, without overflow
+        enough = jnp.sum(keys >= mid[:, None], axis=-1) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return jax.lax.bitcast_convert_type(jnp.where(lo & sign, lo ^ sign, ~lo), jnp.float32)
+
+
+# Compiled through the sharding-aware jit: a decode traced under one layout's rules (or kernel
+# settings) is never reused under another's.
+@sharding.jit(static_argnames=("max_new", "cache_len", "temperature", "top_k", "top_p",
+                               "stop_ids", "stream"))
 def decode(model: DecoderLM, tokens: jax.Array, lengths: jax.Array, rng: jax.Array,
            limit: jax.Array, start: jax.Array, done: jax.Array, *, max_new: int, cache_len: int,
            temperature: float, top_k: int, top_p: float, stop_ids: tuple[int, ...],
@@ -69,14 +101,17 @@ def _decode(model, tokens, lengths, rng, limit, start, done, *, max_new, cache_l
             temperature, top_k, top_p, stop_ids, stream):
     eot_id = stop_ids[0] if stop_ids else -1
     B, P = tokens.shape
+    bisect_top_k = kernel_set(model.config.kernels) == "cpu"  # see kth_largest
     cache = model.init_cache(B, cache_len, dtype=compute_dtype(model.config.dtype))
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     logits, cache = model.decode(tokens, positions, cache)  # [B, P, V]
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     out = jnp.full((B, max_new), eot_id, jnp.int32)
     # The loop body is a trace of its own, which NNX modules must not cross: the weights ride
-    # along in the loop state and the body rebuilds the model from them.
+    # along in the loop state and the body rebuilds the model from them, each projection's and
+    # table's already in the dtype its layer computes in.
     graphdef, weights = nnx.split(model)
+    weights = in_compute_dtypes(model, weights)
 
     def keep_going(state):
         i, _, _, _, done, _ = state
@@ -85,7 +120,7 @@ def _decode(model, tokens, lengths, rng, limit, start, done, *, max_new, cache_l
     def step(state):
         i, last, cache, out, done, weights = state
         token = sample_logits(last, jax.random.fold_in(rng, start + i), temperature=temperature,
-                              top_k=top_k, top_p=top_p)
+                              top_k=top_k, top_p=top_p, bisect_top_k=bisect_top_k)
         token = jnp.where(done, eot_id, token)
         out = out.at[:, i].set(token)
         if stream:
@@ -100,6 +135,29 @@ def _decode(model, tokens, lengths, rng, limit, start, done, *, max_new, cache_l
     _, _, _, out, _, _ = jax.lax.while_loop(keep_going, step,
                                             (0, last, cache, out, done, weights))
     return out
+
+
+def in_compute_dtypes(model: nnx.Module, weights: nnx.State) -> nnx.State:
+    """`weights` (the model's state) with the kernels, biases and tables of its `Dense` and
+    `Embedding` layers cast to the dtype each of them computes in, which is what those layers
+    cast them to on every call: the same values, so the same tokens.
+
+    Cast once before the decode loop rather than in every step: XLA left the casts of the
+    float32 parameters inside the loop (the stacked weights' per-layer slices converted at every
+    token), so a bfloat16 decode read the float32 weights, wrote them as bfloat16 and read them
+    again for each token. Other parameters (norms' scales and biases, which the norms use in
+    float32; adapters) are left as they are.
+    """
+    dtypes = {(*path, name): layer.dtype for path, layer in nnx.iter_graph(model)
+              if isinstance(layer, Dense | Embedding) for name in ("kernel", "bias", "table")}
+
+    def cast(path, variable):
+        dtype = dtypes.get(tuple(getattr(key, "key", key) for key in path))
+        value = variable.get_value()
+        return variable if dtype in (None, value.dtype) else variable.replace(value.astype(dtype))
+
+    return jax.tree_util.tree_map_with_path(cast, weights,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def to_host(x: jax.Array) -> np.ndarray:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from minigpt import pipeline, sharding
 from minigpt.models import DecoderLM, lora
-from minigpt.models.decoder import loss_batch
+from minigpt.models.inputs import loss_batch
 from minigpt.models.layers import row_keys
 from minigpt.optim.lr_schedule import LRSchedule
 

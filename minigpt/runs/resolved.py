@@ -20,7 +20,7 @@ from typing import Any
 
 from minigpt import sharding
 from minigpt.config import ModelConfig, TrainConfig
-from minigpt.models import execution, lora
+from minigpt.models import execution, fp8, lora
 
 # The longest default warm-up, in steps, and the share of the run it takes below that.
 MAX_DEFAULT_WARMUP = 100
@@ -104,7 +104,9 @@ def resolve(model_cfg: ModelConfig, train_cfg: TrainConfig, layout: sharding.Lay
     """A run's settings, resolved once: the execution settings for `platform` (default: the
     backend here; `remat` is the policy an "auto" one becomes, the planner's choice), the
     window, the warm-up (over `horizon` steps where a time budget estimates them) and the
-    adapters. `layout` is the run's, checked (`layout(...)`)."""
+    adapters. `layout` is the run's, checked (`layout(...)`); FP8 where the devices have no
+    FP8 products is refused here, before anything is written (`fp8.check`)."""
+    fp8.check(model_cfg)
     return Resolved(model=execution.for_backend(model_cfg, platform, remat=remat),
                     seq_len=seq_len(model_cfg, train_cfg),
                     warmup_steps=warmup_steps(train_cfg, horizon), layout=layout,

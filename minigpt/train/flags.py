@@ -20,7 +20,8 @@ from minigpt.files import read_named_toml, shipped_folder
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags; each help text names the default a new run gets (the config's, or the
-    recipe's when one is given; a resumed run keeps its own)."""
+    recipe's when one is given; a resumed run keeps its own). It is long because each flag is
+    a statement of its own, read as a list."""
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m minigpt.train",
                                 description="Train a model of the zoo under a parallelism preset.")

@@ -33,6 +33,21 @@ from minigpt.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "prepare" and args.dataset and args.val_fraction is not None:
+        parser.error("--val-fraction applies to --text; TinyStories has a validation file")
+    if args.command == "prepare" and args.source and args.out is None:
+        parser.error("--source needs --out DIR: the folder its shards are written to")
+    try:
+        with plain_warnings():
+            return exit_code(lambda: _command(args))
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minigpt.data", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -83,17 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sft.add_argument("--json", action="store_true",
                      help='print every conversation as {"ids": [...], "loss_mask": [...]} '
                           "instead, one per line")
-    args = parser.parse_args(argv)
-    if args.command == "prepare" and args.dataset and args.val_fraction is not None:
-        parser.error("--val-fraction applies to --text; TinyStories has a validation file")
-    if args.command == "prepare" and args.source and args.out is None:
-        parser.error("--source needs --out DIR: the folder its shards are written to")
-    try:
-        with plain_warnings():
-            return exit_code(lambda: _command(args))
-    except KeyboardInterrupt:
-        print("interrupted: run the same command again to resume", file=sys.stderr)
-        return 130
+    return parser
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from minigpt.serve.engine import Engine, Request
+from minigpt.serve.engine import Engine
+from minigpt.serve.request import Request
 from minigpt.serve.text import TextStream, token_text
 
 
@@ -60,20 +61,28 @@ class Choice:
             return
         if kind == "prompt":
             self._prompt(*event[1:])
-        elif kind == "token":
-            _, token, logprob, ids, top = event
-            if self.logprobs:
-                self.entries.append(Entry(token_text(self.tokenizer, token), token, logprob,
-                                          self._alternatives(ids, top),
-                                          len(self.prefix) + len(self.stream.text)))
-            self.text += self.stream.add(token)
-            if self.stream.stopped:
-                self.finish_reason = "stop"
+        elif kind == "tokens":
+            self._tokens(*event[1:])
         elif kind == "end":
             self.text += self.stream.finish()
             self.finish_reason = "stop" if self.stream.stopped else event[1]
         else:
             self.error = event[1]
+
+    def _tokens(self, tokens, logprobs, ids, top) -> None:
+        if self.logprobs:  # token by token: each entry says where its text starts
+            for i, token in enumerate(tokens):
+                self.entries.append(Entry(
+                    token_text(self.tokenizer, token), token, logprobs[i],
+                    self._alternatives(ids[i], top[i]) if ids else [],
+                    len(self.prefix) + len(self.stream.text)))
+                self.text += self.stream.add([token])
+                if self.stream.stopped:
+                    break
+        else:
+            self.text += self.stream.add(tokens)
+        if self.stream.stopped:
+            self.finish_reason = "stop"
 
     def _alternatives(self, ids, logprobs) -> list[tuple[str, int, float]]:
         return [(token_text(self.tokenizer, i), i, lp) for i, lp in zip(ids, logprobs)]

@@ -1,25 +1,27 @@
 """Continuous batching: a fixed set of decode slots that requests join and leave step by step.
 
-One thread owns the device work. Requests arrive through a queue (`submit`); at every step the
+One thread owns the device work. Requests arrive through a queue (`submit`); at every call the
 engine first lets go of the slots whose requests finished or were cancelled, then prefills
-waiting requests into free slots (each one prompt, compiled per length bucket), then runs one
-decode step for all slots (compiled once), whatever mix of requests they hold. A slot's rows of
+waiting requests into free slots (together: compiled per count and length bucket), then runs
+decode steps for all slots (one program, compiled once), whatever mix of requests they hold: as
+many steps a call as fit in about TARGET_CALL_SECONDS, and no more than the nearest request
+still needs, so that a model whose step takes milliseconds does not pay the host's work per
+call at every step, and one whose step takes longer runs a step a call. A slot's rows of
 the key/value cache are its own and attention never looks past a row's position, so a request's
 tokens do not depend on what else runs beside it: greedy decoding gives the tokens
 `minigpt.generate.generate_tokens` gives for the prompt alone.
 
-The host reads a step's tokens while the device runs the next one (JAX dispatches
+The host reads a call's tokens while the device runs the next one (JAX dispatches
 asynchronously and a step needs nothing from the host): each dispatched program is a record of
-which request held which slot when it was dispatched, processed in order one step behind. What
+which request held which slot when it was dispatched, processed in order one call behind. What
 comes out (tokens, log-probabilities, ends) goes to each request's `sink` in one `post` per
-step, which the web app turns into one hand-over to its event loop.
+call, which the web app turns into one hand-over to its event loop.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import queue
 import threading
 import time
@@ -30,47 +32,16 @@ from typing import Any
 import numpy as np
 
 from minigpt.models import DecoderLM
+from minigpt.serve.request import Request, post_directly
 from minigpt.serve.steps import Programs, seed_key
 
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One sequence to decode: a prompt of token ids, at most `max_new` new tokens (0: score
-    the prompt alone), sampling settings (temperature 0: greedy), the token ids it stops at
-    (left out of the output), whether to report each token's log-probability (`logprobs`) and
-    how many alternatives (`top`, at most `draw.TOP`), and whether to report the prompt's own
-    log-probabilities. `sink` receives its events, on
-    whichever thread `Engine.post` calls it:
-
-        ("prompt", logprobs [P - 1], top ids [P][top], top logprobs [P][top])
-        ("token", id, logprob, top ids [top], top logprobs [top])
-        ("end", "stop" | "length")
-        ("error", message)
-    """
-
-    prompt: list[int]
-    max_new: int
-    sink: Callable[[tuple], None]
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: frozenset[int] = frozenset()
-    logprobs: bool = False
-    top: int = 0
-    prompt_logprobs: bool = False
-    cancelled: bool = False
-    finished: bool = False
-    generated: int = 0
-
-    @property
-    def wants(self) -> int:
-        """What the request asks to know of its tokens, as `draw.choose` takes it."""
-        return 2 if self.top else int(self.logprobs)
-
-
-def _post_directly(events: list[tuple[Request, tuple]]) -> None:
-    for request, event in events:
-        request.sink(event)
+# A call of decode steps aims at this long: the host's work per call (dispatching, reading the
+# tokens, handing them to the web app) takes a millisecond or two on a CPU, which a model whose
+# step takes 4 ms would otherwise pay at every step (the `stories-cpu` model served 16 clients
+# at about half of `minigpt.generate`'s tokens/s one step a call, 2026-11-27); a new request or
+# a hang-up waits at most about this long for the call to end, and a stream gets its tokens in
+# bursts this far apart. A model whose step takes longer runs one a call.
+TARGET_CALL_SECONDS = 0.1
 
 
 class Engine:
@@ -82,7 +53,7 @@ class Engine:
     def __init__(self, model: DecoderLM, *, slots: int = 16, length: int | None = None,
                  context: Callable[[], Any] = contextlib.nullcontext,
                  log: Callable[[str], None] = print,
-                 post: Callable[[list[tuple[Request, tuple]]], None] = _post_directly,
+                 post: Callable[[list[tuple[Request, tuple]]], None] = post_directly,
                  smallest_bucket: int = 32):
         self.length = length or model.config.context_len
         self.model, self.slots, self.context = model, slots, context
@@ -90,6 +61,8 @@ class Engine:
         self.programs = Programs(model, slots, self.length, smallest=smallest_bucket)
         self.owners: list[Request | None] = [None] * slots
         self.steps = self.tokens = 0
+        self.step_seconds = 0.0  # a decode step's time, a moving average (0: not known yet)
+        self._last_ready = 0.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Request] = collections.deque()
         self._records: collections.deque = collections.deque()
@@ -114,7 +87,7 @@ class Engine:
 
     def cancel(self, *requests: Request) -> None:
         """Give up requests (a client went away, a stop string was met): each leaves its slot
-        before the next step."""
+        before the next call."""
         for request in requests:
             request.cancelled = True
         self._inbox.put(None)  # wakes the engine if it waits for work
@@ -128,6 +101,7 @@ class Engine:
         return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self.owners),
                 "queue_length": len(self._waiting) + self._inbox.qsize(),
                 "max_len": self.length, "steps": self.steps, "tokens_generated": self.tokens,
+                "step_ms": round(self.step_seconds * 1e3, 3),
                 "compiled": ["decode step", *self.programs.compiled]}
 
     # --- the engine's thread --------------------------------------------------------------
@@ -142,7 +116,7 @@ class Engine:
                     try:
                         self._iteration()
                     except Exception as error:  # a bug or the device's failure: stay up
-                        self.log("error: the engine failed a step; the requests it held are "
+                        self.log("error: the engine failed a call; the requests it held are "
                                  "ended with an error:\n" + traceback.format_exc())
                         self._fail(f"the server failed decoding this request ({error})")
                         self._fresh_state()
@@ -162,10 +136,13 @@ class Engine:
         self._cache, self._slots, drawn = self.programs.step(self._cache, self._slots,
                                                              np.zeros(self.slots, bool), 0)
         np.asarray(drawn[0])
-        self.log(f"compiled the decode step for {self.slots} slots of {self.length} positions "
-                 f"in {time.perf_counter() - began:.1f} s; prefill compiles once per prompt "
-                 f"length bucket ({', '.join(map(str, self.programs.buckets))}), when first met")
-        self._prefill(0, Request([0], 0, sink=lambda event: None), quiet=True)
+        how = "layers scanned" if self.programs.scan else "layers unrolled"
+        self.log(f"compiled the decode step ({how}) for {self.slots} slots of {self.length} "
+                 f"positions in {time.perf_counter() - began:.1f} s; prefill compiles once per "
+                 f"prompt count ({', '.join(map(str, self.programs.batches))}) and length "
+                 f"({', '.join(map(str, self.programs.buckets))}), when first met")
+        self._prefill([(0, Request([0], 0, sink=lambda event: None))], quiet=True)
+        self.step_seconds = 0.0  # the warm-up's time is mostly compiling
         self._records.clear()
         self.owners[0] = None
 
@@ -174,15 +151,20 @@ class Engine:
         self._receive(block=not busy)
         self._release_cancelled()
         self._admit()
-        # A request that only scores its prompt (max_new 0) needs no step.
-        active = np.asarray([o is not None and o.max_new > 0 for o in self.owners])
+        # Slots whose request has all its tokens asked for (or only scores its prompt) need
+        # no more steps.
+        active = np.asarray([o is not None and o.dispatched < o.max_new for o in self.owners])
         if active.any():
-            want = max(o.wants for o, on in zip(self.owners, active) if on)
-            self._cache, self._slots, drawn = self.programs.step(self._cache, self._slots,
-                                                                 active, want)
-            self._records.append(("step", drawn, list(self.owners)))
-            self.steps += 1
-            self._collect(keep=1)  # the step just dispatched runs while the host reads
+            running = [o for o, on in zip(self.owners, active) if on]
+            count = min(self._steps_per_call(), *(o.max_new - o.dispatched for o in running))
+            self._cache, self._slots, drawn = self.programs.step(
+                self._cache, self._slots, active, max(o.wants for o in running), count)
+            for request in running:
+                request.dispatched += count
+            self._records.append(("step", drawn, list(self.owners), count,
+                                  time.perf_counter()))
+            self.steps += count
+            self._collect(keep=1)  # the call just dispatched runs while the host reads
         else:
             self._collect(keep=0)
         if self._outbox:
@@ -202,73 +184,103 @@ class Engine:
                 owner.finished, self.owners[slot] = True, None
 
     def _admit(self) -> None:
-        for slot in range(self.slots):
-            while self._waiting and self._waiting[0].cancelled:
-                self._waiting.popleft()
-            if not self._waiting:
-                return
-            if self.owners[slot] is None:
-                self._prefill(slot, self._waiting.popleft())
+        """Prefill waiting requests into free slots: those that score their prompt one by
+        one (their log-probabilities take [P, vocabulary] floats each), the others together."""
+        free = [slot for slot, owner in enumerate(self.owners) if owner is None]
+        admitted = []
+        while free and self._waiting:
+            request = self._waiting.popleft()
+            if not request.cancelled:
+                admitted.append((free.pop(0), request))
+        together = [(s, r) for s, r in admitted if not r.prompt_logprobs]
+        groups = ([together] if together else []) + [
+            [(s, r)] for s, r in admitted if r.prompt_logprobs]
+        for group in groups:
+            self._prefill(group)
 
-    def _prefill(self, slot: int, request: Request, *, quiet: bool = False) -> None:
+    def _prefill(self, group: list[tuple[int, Request]], *, quiet: bool = False) -> None:
         known, began = len(self.programs.compiled), time.perf_counter()
+        rows, requests = [s for s, _ in group], [r for _, r in group]
         self._cache, self._slots, drawn, prompt = self.programs.prefill(
-            self._cache, self._slots, slot, request.prompt, temperature=request.temperature,
-            top_p=request.top_p, key=seed_key(request.seed), want=request.wants,
-            prompt_logprobs=request.prompt_logprobs)
-        self.owners[slot] = request
-        self._records.append(("prefill", (drawn, prompt), slot, request))
+            self._cache, self._slots, rows, [r.prompt for r in requests],
+            temperature=[r.temperature for r in requests], top_p=[r.top_p for r in requests],
+            keys=[seed_key(r.seed) for r in requests], want=max(r.wants for r in requests),
+            prompt_logprobs=requests[0].prompt_logprobs)
+        for slot, request in group:
+            self.owners[slot] = request
+            request.dispatched = min(1, request.max_new)  # the prefill draws the first token
+        self._records.append(("prefill", drawn, prompt, group))
         if len(self.programs.compiled) > known and not quiet:
             self.log(f"compiled {self.programs.compiled[-1]} in "
                      f"{time.perf_counter() - began:.1f} s ({len(self.programs.compiled)} "
-                     f"prefill programs so far, at most {2 * len(self.programs.buckets)})")
+                     f"prefill programs so far, at most {self.programs.most_prefills})")
 
     def _collect(self, *, keep: int) -> None:
         """Read the results of all dispatched programs but the newest `keep`, in order."""
         while len(self._records) > keep:
             record = self._records.popleft()
-            if record[0] == "step":
-                self._read_step(record[1], record[2])
+            (self._read_step if record[0] == "step" else self._read_prefill)(*record[1:])
+
+    def _read_prefill(self, drawn, prompt, group: list[tuple[int, Request]]) -> None:
+        drawn = [np.asarray(a) for a in drawn]
+        for j, (slot, request) in enumerate(group):
+            if request.finished or request.cancelled:
+                continue
+            if prompt is not None:
+                n, top = len(request.prompt), request.top
+                given, ids, logprobs = (np.asarray(a)[j] for a in prompt)
+                self._emit(request, ("prompt", given[:n - 1].tolist(),
+                                     ids[:n, :top].tolist(), logprobs[:n, :top].tolist()))
+            if request.max_new == 0:
+                self._finish(request, slot, "length")
             else:
-                self._read_prefill(*record[1], record[2], record[3])
+                self._take(request, slot, *(a[j:j + 1] for a in drawn))
 
-    def _read_prefill(self, drawn, prompt, slot: int, request: Request) -> None:
-        if request.finished or request.cancelled:
-            return
-        if prompt is not None:
-            n, top = len(request.prompt), request.top
-            given, ids, logprobs = (np.asarray(a) for a in prompt)
-            self._emit(request, ("prompt", given[:n - 1].tolist(), ids[:n, :top].tolist(),
-                                 logprobs[:n, :top].tolist()))
-        if request.max_new == 0:
-            self._finish(request, slot, "length")
-        else:
-            self._take(request, slot, *(np.asarray(a)[0] for a in drawn))
+    def _steps_per_call(self) -> int:
+        """Decode steps for the next call: as many as fit in TARGET_CALL_SECONDS (at least 1,
+        at most the program's `most`), from the steps measured so far."""
+        if not self.step_seconds:
+            return 1
+        return max(1, min(self.programs.most, round(TARGET_CALL_SECONDS / self.step_seconds)))
 
-    def _read_step(self, drawn, owners: list[Request | None]) -> None:
+    def _read_step(self, drawn, owners: list[Request | None], count: int,
+                   dispatched: float) -> None:
+        tokens = np.asarray(drawn[0])  # [most, S]: waits for the call
+        ready = time.perf_counter()
+        took = (ready - max(dispatched, self._last_ready)) / count
+        self.step_seconds = took if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * took
+        self._last_ready = ready
         live = [(s, r) for s, r in enumerate(owners)
                 if r is not None and not (r.finished or r.cancelled)]
         if not live:
             return
-        tokens, logprobs = np.asarray(drawn[0]), np.asarray(drawn[1])
+        logprobs = np.asarray(drawn[1])
         wanted = any(r.top for _, r in live)
         ids, top = (np.asarray(drawn[2]), np.asarray(drawn[3])) if wanted else (None, None)
         for slot, request in live:
-            self._take(request, slot, tokens[slot], logprobs[slot],
-                       None if ids is None else ids[slot], None if top is None else top[slot])
+            self._take(request, slot, tokens[:count, slot], logprobs[:count, slot],
+                       None if ids is None else ids[:count, slot],
+                       None if top is None else top[:count, slot])
 
-    def _take(self, request: Request, slot: int, token, logprob, ids, top) -> None:
-        token = int(token)
-        if token in request.stop_ids:
-            self._finish(request, slot, "stop")
-            return
-        k = request.top
-        self._emit(request, ("token", token, float(logprob),
-                             ids[:k].tolist() if k else [], top[:k].tolist() if k else []))
-        request.generated += 1
-        self.tokens += 1
-        if request.generated >= request.max_new:
-            self._finish(request, slot, "length")
+    def _take(self, request: Request, slot: int, tokens, logprobs, ids, top) -> None:
+        """A run of new tokens [n] for `request` (their log-probabilities [n] and
+        alternatives [n, TOP]): one event for those it keeps, up to a stop token or its
+        max_new, and its end if it ends."""
+        tokens = tokens.tolist()
+        keep = min(len(tokens), request.max_new - request.generated)
+        stop = next((i for i, t in enumerate(tokens[:keep]) if t in request.stop_ids), None)
+        end = "stop" if stop is not None else (
+            "length" if request.generated + keep >= request.max_new else None)
+        keep = keep if stop is None else stop
+        if keep:
+            k = request.top
+            self._emit(request, ("tokens", tokens[:keep], logprobs[:keep].tolist(),
+                                 ids[:keep, :k].tolist() if k else None,
+                                 top[:keep, :k].tolist() if k else None))
+            request.generated += keep
+            self.tokens += keep
+        if end:
+            self._finish(request, slot, end)
 
     def _finish(self, request: Request, slot: int, reason: str) -> None:
         request.finished = True

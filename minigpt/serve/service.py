@@ -18,8 +18,9 @@ from minigpt import chat_template
 from minigpt.errors import UserError
 from minigpt.generate import GREEDY_BELOW
 from minigpt.serve.choices import Choice
-from minigpt.serve.engine import Engine, Request
+from minigpt.serve.engine import Engine
 from minigpt.serve.protocol import Chat, Completion, RequestError, Sampling
+from minigpt.serve.request import Request
 from minigpt.serve.text import TextStream, decode
 
 COMPLETION_DEFAULT_TOKENS = 16  # what OpenAI's completions give without max_tokens

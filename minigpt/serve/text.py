@@ -32,8 +32,8 @@ def token_text(tokenizer, token: int) -> str:
 
 
 class TextStream:
-    """The text of tokens added one by one (`add`), with stop strings cut; `finish` passes on
-    what was held back. `context` (the prompt's ids, for a continuation) is decoded before the
+    """The text of tokens added as they come (`add`), with stop strings cut; `finish` passes
+    on what was held back. `context` (the prompt's ids, for a continuation) is decoded before the
     first new token and not passed on."""
 
     def __init__(self, tokenizer, *, context: Sequence[int] = (), stops: Sequence[str] = ()):
@@ -42,12 +42,12 @@ class TextStream:
         self.start, self.read = 0, len(self.ids)  # the window: ids[start:] after ids[start:read]
         self.text, self.sent, self.stopped = "", 0, False
 
-    def add(self, token: int) -> str:
-        """New text to pass on after `token` ("" while a character or a stop string is
+    def add(self, tokens: list[int]) -> str:
+        """New text to pass on after `tokens` ("" while a character or a stop string is
         unfinished, or after a stop string)."""
         if self.stopped:
             return ""
-        self.ids.append(token)
+        self.ids += tokens
         before = decode(self.tokenizer, self.ids[self.start:self.read])
         after = decode(self.tokenizer, self.ids[self.start:])
         if len(after) > len(before) and not after.endswith("\ufffd"):

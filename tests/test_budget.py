@@ -123,7 +123,7 @@ def test_a_budget_shorter_than_compiling_stops_after_the_first_step():
 
 def test_a_budgeted_run_ends_its_cosine_with_the_time_and_compiles_its_step_once(
         data_4k, tmp_path, caplog):
-    budget = 30.0
+    budget = 18.0
     cfg = TrainConfig(preset="dp", model="llama-tiny", data=(str(data_4k),),
                       out=str(tmp_path / "run"), steps=5, batch_size=8, seq_len=64, lr=3e-3,
                       time_budget=budget, eval_batches=1, eval_every=40, save_every=10_000)

@@ -187,7 +187,8 @@ def interrupted_at(step: int, monkeypatch):
 @pytest.mark.parametrize("command", [
     pytest.param(PP_COMMAND + ["--batch-size", "16", *SMALL_VOCAB], id="pp with --set",
                  marks=pytest.mark.slow),
-    pytest.param(["--recipe", "stories-cpu", "--preset", "dp", "--steps", "6"], id="recipe"),
+    pytest.param(["--recipe", "stories-cpu", "--preset", "dp", "--steps", "6"], id="recipe",
+                 marks=pytest.mark.slow),
 ])
 def test_pressing_up_and_adding_resume_continues_exactly(command, small_stories, tmp_path,
                                                          monkeypatch):

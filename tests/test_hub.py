@@ -395,6 +395,7 @@ def test_safetensors_files_agree_with_the_safetensors_package(tmp_path):
 
 # --- fine-tuning from imported weights -------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_new_run_starts_from_imported_weights_and_resumes(tmp_path, small_stories, capsys):
     from minigpt.train import cli, train
 

@@ -157,7 +157,7 @@ def one_step(preset_name: str):
 
 
 @pytest.mark.parametrize("preset_name", [
-    pytest.param("pp", marks=pytest.mark.slow), "fsdp",
+    pytest.param("pp", marks=pytest.mark.slow), pytest.param("fsdp", marks=pytest.mark.slow),
     pytest.param("dp_tp", marks=pytest.mark.slow),
     pytest.param("fsdp_tp", marks=pytest.mark.slow),
     pytest.param("fsdp_pp_tp", marks=pytest.mark.slow)])

@@ -115,7 +115,8 @@ def _muon_step(model_name: str, preset_name: str):
 
 
 @pytest.mark.parametrize("model_name, preset_name", [
-    ("llama-tiny", "fsdp"), pytest.param("llama-tiny", "dp_tp", marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "fsdp", marks=pytest.mark.slow),
+    pytest.param("llama-tiny", "dp_tp", marks=pytest.mark.slow),
     pytest.param("minigpt-tiny8", "pp", marks=pytest.mark.slow)])
 def test_one_muon_step_is_the_same_under_every_preset(model_name, preset_name):
     ref_loss, before, ref = muon_step(model_name, "dp")

@@ -148,7 +148,8 @@ def test_pipelined_loss_and_every_gradient_equal_data_parallel(model_name, prese
 
 
 @pytest.mark.parametrize("preset_name, schedule_name", [
-    ("dp_pp_tp", "circular"), pytest.param("fsdp_tp", None, marks=pytest.mark.slow)])
+    pytest.param("dp_pp_tp", "circular", marks=pytest.mark.slow),
+    pytest.param("fsdp_tp", None, marks=pytest.mark.slow)])
 def test_the_small_vocabulary_loss_equals_data_parallel(preset_name, schedule_name):
     """With TinyStories' 4,096-token vocabulary the CPU loss keeps its logit gradients and pulls
     them back after its loop (minigpt.loss); that form too, split over the vocabulary and

@@ -177,6 +177,7 @@ def test_a_save_interrupted_mid_write_is_never_restored(config, trained, uninter
     assert losses(config.out) == uninterrupted
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_at_once_and_keeps_its_last_good_checkpoint(config, capsys):
     cfg = dataclasses.replace(config, steps=30, lr=1e4, warmup_steps=1)
     with pytest.raises(metrics.TrainingDiverged) as e:

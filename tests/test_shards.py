@@ -44,7 +44,7 @@ def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
 
 
 def write_parquet(path: Path, texts: list[str]) -> Path:
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow", reason="parquet files are read with the [datasets] extra")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": texts, "n": list(range(len(texts)))}), path,
@@ -79,7 +79,7 @@ def test_every_document_reads_back_as_its_tokenizer_encodes_it_in_order(kind, tm
         source = write_text(tmp_path / "c.txt", texts)
         texts = [t.replace("<|endoftext|>", "").strip() for t in texts]
     else:
-        pytest.importorskip("datasets")
+        pytest.importorskip("datasets", reason="Hugging Face datasets are the [datasets] extra")
         (tmp_path / "dataset").mkdir()
         write_jsonl(tmp_path / "dataset" / "train.jsonl", texts)
         source = f"hf:{tmp_path / 'dataset'}"

@@ -22,6 +22,7 @@ from conftest import losses, refused, small_vocab, tensorboard_scalars
 import minigpt
 from minigpt import generate, train
 from minigpt.config import TrainConfig
+from minigpt.models import execution
 from minigpt.optim import lr_schedule, steps
 from minigpt.train import metrics
 
@@ -243,7 +244,10 @@ def test_every_architecture_trains_resumes_and_tells_stories(config, tmp_path, n
     run = minigpt.load_run(tmp_path / "run")
     restored, tokenizer, preset, mesh, step = (run.model, run.tokenizer, run.preset, run.mesh,
                                                run.step)
-    assert step == 4 and restored.config == model
+    # The run keeps what was asked and what it resolved to: the model comes back with its
+    # execution settings concrete for this backend (no "auto" left), the rest as trained.
+    assert step == 4 and restored.config == execution.for_backend(model)
+    assert restored.config.dtype == "float32" and model.dtype == "auto"
     from minigpt import sharding
 
     with sharding.Layout(preset, mesh).active():

@@ -411,3 +411,31 @@ def test_the_inverse_cdf_draw_lands_in_proportion_to_the_probabilities():
     assert set(drawn) == {3, 300, 699}
     counts = np.bincount(drawn, minlength=700)[[3, 300, 699]] / len(u)
     np.testing.assert_allclose(counts, [0.1, 0.3, 0.6], atol=0.002)
+
+
+def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
+    """Driven by hand, without its thread: a request admitted while slots stay free gets a call
+    of one step (more may be on their way); with nothing new, or every slot taken, calls are
+    as long as the step's time allows."""
+    from flax import nnx
+
+    from minigpt.models import build_model
+    from minigpt.serve.request import Request
+
+    engine = Engine(build_model(MODEL, rngs=nnx.Rngs(0)), slots=4, log=lambda line: None)
+    engine._fresh_state()
+    engine._warm_up()
+    engine._steps_per_call = lambda: 16  # what a fast step gets (its timing is not the point)
+
+    def calls():
+        engine._iteration()
+        return engine._records[-1][3]  # the steps of the call just dispatched
+
+    def request():
+        return Request([5, 6, 7], 60, sink=lambda event: None)
+
+    engine.submit(request())
+    assert calls() == 1  # three slots free: the rest of a burst may be arriving
+    assert calls() == 16
+    engine.submit(request(), request(), request())
+    assert calls() == 16  # every slot taken: nobody else can join

@@ -6,7 +6,8 @@ waiting requests into free slots (together: compiled per count and length bucket
 decode steps for all slots (one program, compiled once), whatever mix of requests they hold: as
 many steps a call as fit in about TARGET_CALL_SECONDS, and no more than the nearest request
 still needs, so that a model whose step takes milliseconds does not pay the host's work per
-call at every step, and one whose step takes longer runs a step a call. A slot's rows of
+call at every step, and one whose step takes longer runs a step a call (while requests arrive
+and slots are free, a call is one step, so that a burst of them joins together). A slot's rows of
 the key/value cache are its own and attention never looks past a row's position, so a request's
 tokens do not depend on what else runs beside it: greedy decoding gives the tokens
 `minigpt.generate.generate_tokens` gives for the prompt alone.
@@ -150,13 +151,16 @@ class Engine:
         busy = self._records or self._waiting or any(o is not None for o in self.owners)
         self._receive(block=not busy)
         self._release_cancelled()
-        self._admit()
+        filling = self._admit() and None in self.owners
         # Slots whose request has all its tokens asked for (or only scores its prompt) need
         # no more steps.
         active = np.asarray([o is not None and o.dispatched < o.max_new for o in self.owners])
         if active.any():
             running = [o for o, on in zip(self.owners, active) if on]
-            count = min(self._steps_per_call(), *(o.max_new - o.dispatched for o in running))
+            # While requests are arriving and slots are free, a call is one step, so that the
+            # rest of a burst joins within a step instead of a whole call.
+            count = 1 if filling else self._steps_per_call()
+            count = min(count, *(o.max_new - o.dispatched for o in running))
             self._cache, self._slots, drawn = self.programs.step(
                 self._cache, self._slots, active, max(o.wants for o in running), count)
             for request in running:
@@ -183,9 +187,10 @@ class Engine:
             if owner is not None and owner.cancelled:
                 owner.finished, self.owners[slot] = True, None
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
         """Prefill waiting requests into free slots: those that score their prompt one by
-        one (their log-probabilities take [P, vocabulary] floats each), the others together."""
+        one (their log-probabilities take [P, vocabulary] floats each), the others together.
+        Returns how many were admitted."""
         free = [slot for slot, owner in enumerate(self.owners) if owner is None]
         admitted = []
         while free and self._waiting:
@@ -197,6 +202,7 @@ class Engine:
             [(s, r)] for s, r in admitted if r.prompt_logprobs]
         for group in groups:
             self._prefill(group)
+        return len(admitted)
 
     def _prefill(self, group: list[tuple[int, Request]], *, quiet: bool = False) -> None:
         known, began = len(self.programs.compiled), time.perf_counter()

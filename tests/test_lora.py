@@ -180,6 +180,7 @@ def test_one_lora_step_is_the_same_under_every_preset(preset_name):
     assert np.mean([np.mean(np.abs(v) > 0.99 * STEP.lr) for v in b_moved]) > 0.5
 
 
+@pytest.mark.slow  # a pipelined step's compile (13 s on 2 cores); LoRA under pp: the same set
 def test_the_pipeline_differentiates_the_adapters_alone():
     """Under `pp` the pipeline computes the adapters' gradients and none of the frozen weights':
     asked for every parameter's, it gives zeros for those."""

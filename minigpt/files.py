@@ -55,7 +55,7 @@ def read_json_object(path: str | Path, error: type[Exception], *, missing: str |
     refusing (as `error`, one line naming the file) one that is not UTF-8, not JSON, nested
     too deeply, larger than JSON_LIMIT or not an object. An absent file is {} (or, with
     `missing`, the refusal that message gives). Values are checked where they are used, each
-    field with the type check of the configs (`minigpt.config.check_value`)."""
+    field with the type check of the configs (`minigpt.config.values.check_value`)."""
     path = Path(path)
     try:
         if path.stat().st_size > JSON_LIMIT:

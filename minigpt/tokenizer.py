@@ -35,7 +35,7 @@ import tiktoken
 from tiktoken_ext import openai_public
 
 from minigpt import chat_template
-from minigpt.config import ConfigError, check_value
+from minigpt.config.values import ConfigError, check_value
 from minigpt.errors import UserError
 from minigpt.files import first_line, read_json_object, write_text_atomic
 
@@ -221,7 +221,7 @@ class HFTokenizer:
 
 def token_ids(value, where: str) -> tuple[int, ...]:
     """A config's `bos_token_id` or `eos_token_id`: one id, a list of them, or none (null),
-    type-checked as every config field is (`minigpt.config.check_value`)."""
+    type-checked as every config field is (`minigpt.config.values.check_value`)."""
     if value is None:
         return ()
     try:

@@ -3,7 +3,7 @@
 Every field PEFT 0.21's `LoraConfig` writes is in one of three tables: what the adapter
 computes and minigpt's LoRA implements (`r`, `lora_alpha`, `lora_dropout`, `target_modules`,
 `use_rslora`), typed and range-checked as the train.lora_* settings are
-(`minigpt.config.check_value`); what describes the adapter or how it was first initialised
+(`minigpt.config.values.check_value`); what describes the adapter or how it was first initialised
 (loading its weights replaces that), accepted; and the variants minigpt does not compute
 (DoRA, activated LoRA, layer replication, trainable tokens, biases, per-module ranks, ...),
 refused by name when set. A field PEFT did not have then is refused too unless it is unset
@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from minigpt.config import ConfigError, check_value
+from minigpt.config.values import ConfigError, check_value
 from minigpt.files import read_json_object
 from minigpt.hub.architectures import HubError
 from minigpt.hub.safetensors import WeightsError, resolve_inside

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from minigpt.config import ConfigError, ModelConfig, check_value
+from minigpt.config import ConfigError, ModelConfig
+from minigpt.config.values import check_value
 from minigpt.errors import UserError
 
 

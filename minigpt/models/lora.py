@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from minigpt.config import LORA_TARGETS, ConfigError, check_value
+from minigpt.config import LORA_TARGETS, ConfigError
+from minigpt.config.values import check_value
 from minigpt.models.layers import Dense, dropout, fold_keys
 from minigpt.models.moe import STACKED_EXPERTS
 from minigpt.sharding import constrain

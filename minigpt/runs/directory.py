@@ -34,13 +34,8 @@ from flax import nnx
 
 from minigpt import chat_template, runtime, sharding
 from minigpt.checkpoint import Checkpointer, CheckpointError, has_checkpoint
-from minigpt.config import (
-    ConfigError,
-    ModelConfig,
-    TrainConfig,
-    check_value,
-    field_types,
-)
+from minigpt.config import ConfigError, ModelConfig, TrainConfig
+from minigpt.config.values import check_value, field_types
 from minigpt.files import read_json_object, write_text_atomic
 from minigpt.models import DecoderLM, build_model, lora
 from minigpt.tokenizer import Encoding, TokenizerError, load_tokenizer

@@ -18,13 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minigpt.config import (
-    ConfigError,
-    ModelConfig,
-    TrainConfig,
-    check_value,
-    field_types,
-)
+from minigpt.config import ConfigError, ModelConfig, TrainConfig
+from minigpt.config.values import check_value, field_types
 from minigpt.files import read_named_toml, shipped_folder
 from minigpt.models import get_config
 

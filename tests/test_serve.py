@@ -416,26 +416,36 @@ def test_the_inverse_cdf_draw_lands_in_proportion_to_the_probabilities():
 def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
     """Driven by hand, without its thread: a request admitted while slots stay free gets a call
     of one step (more may be on their way); with nothing new, or every slot taken, calls are
-    as long as the step's time allows."""
+    as long as the step's time allows. The three that arrive together are prefilled in one
+    call (padded to 4 rows, in two length buckets' worth of prompts) and each gets the tokens
+    it gets alone."""
     from flax import nnx
 
     from minigpt.models import build_model
     from minigpt.serve.request import Request
 
-    engine = Engine(build_model(MODEL, rngs=nnx.Rngs(0)), slots=4, log=lambda line: None)
+    model = build_model(MODEL, rngs=nnx.Rngs(0))
+    engine = Engine(model, slots=4, log=lambda line: None)
     engine._fresh_state()
     engine._warm_up()
     engine._steps_per_call = lambda: 16  # what a fast step gets (its timing is not the point)
+    prompts = [[5, 6, 7], [9], list(range(3, 43)), [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    budgets = [60, 20, 20, 20]  # the first outlasts the calls counted below
+    got = [[] for _ in prompts]
+    requests = [Request(p, n, sink=lambda event, out=out: event[0] == "tokens"
+                        and out.extend(event[1])) for p, n, out in zip(prompts, budgets, got)]
 
     def calls():
         engine._iteration()
         return engine._records[-1][3]  # the steps of the call just dispatched
 
-    def request():
-        return Request([5, 6, 7], 60, sink=lambda event: None)
-
-    engine.submit(request())
+    engine.submit(requests[0])
     assert calls() == 1  # three slots free: the rest of a burst may be arriving
     assert calls() == 16
-    engine.submit(request(), request(), request())
+    engine.submit(*requests[1:])
     assert calls() == 16  # every slot taken: nobody else can join
+    assert any(name.startswith("prefill 4 x 64") for name in engine.programs.compiled)
+    while not all(r.finished for r in requests):
+        engine._iteration()
+    for prompt, n, tokens in zip(prompts, budgets, got):
+        assert tokens == generate_tokens(model, [prompt], max_new_tokens=n, temperature=0)[0]

@@ -123,6 +123,16 @@ def test_the_shuffle_is_a_bijection_of_any_size_and_new_each_epoch():
     assert np.array_equal(IndexShuffle(4000, 5, 0)(np.arange(4000)), first)
 
 
+def test_the_shuffle_keeps_the_order_runs_from_shards_were_trained_in():
+    """A run resumed from a folder of shards reads the windows its saved position counts in:
+    the shuffle of the fixture's time. A new shuffle would need its own version, kept beside
+    this one for the runs that saved it."""
+    fixture = json.loads((FIXTURES / "shard_order_v1.json").read_text())
+    for case in fixture["cases"]:
+        order = IndexShuffle(case["n"], case["seed"], case["epoch"])
+        assert order(np.arange(len(case["first"]))).tolist() == case["first"], case
+
+
 def test_a_folder_of_the_one_file_layout_is_read_in_its_runs_order(tmp_path):
     """Runs trained before shards saved {"next_index": k}; restored, they read the batches the
     loader of that time read next, recorded in the fixture."""

@@ -155,9 +155,15 @@ def _inspect_command(args: argparse.Namespace) -> int:
     try:
         print("\n".join(lines))
         sys.stdout.flush()
-    except BrokenPipeError:  # `| head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:
+        _reader_gone()
     return 0
+
+
+def _reader_gone() -> None:
+    """`| head`: the reader has what it wanted. What is still buffered for it goes nowhere, so
+    that Python's flush at exit does not fail with a second BrokenPipeError."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _train_command(args: argparse.Namespace) -> int:
@@ -194,8 +200,8 @@ def _sft_command(args: argparse.Namespace) -> int:
                     print(_marked(tokenizer, conversation))
                     shown += 1
         sys.stdout.flush()
-    except BrokenPipeError:  # `| head`: the reader has what it wanted; nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:
+        _reader_gone()
         return 0
     if defaulted:  # said last, so that a refusal is the one line printed
         print("note: the run's vocabulary has no chat template: rendered as ChatML, its end "

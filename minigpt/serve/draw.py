@@ -97,7 +97,7 @@ def choose(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax
         scaled = jax.lax.cond(jnp.any(sampling & (top_p < 1.0)), nucleus, lambda x, _: x,
                               scaled, top_p)
         u = jax.vmap(lambda k, i: jax.random.uniform(
-            jax.random.fold_in(jax.random.wrap_key_data(k), i)))(key, count)
+            jax.random.fold_in(jax.random.wrap_key_data(k, impl="threefry2x32"), i)))(key, count)
         return jnp.where(sampling, inverse_cdf(scaled, u).astype(jnp.int32), greedy)
 
     token = jax.lax.cond(jnp.any(sampling), draw, lambda: greedy)

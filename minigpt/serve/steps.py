@@ -51,12 +51,10 @@ class SlotState:
 
 
 def seed_key(seed: int) -> np.ndarray:
-    """A request's seed as the raw key data a slot keeps: jax.random.key(seed)'s, which for
-    the default threefry keys is [0, seed] and is written so without a call to the device."""
-    seed %= 2**32
-    if jax.config.jax_default_prng_impl == "threefry2x32":
-        return np.asarray([0, seed], np.uint32)
-    return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+    """A request's seed as the raw key data a slot keeps: threefry's two words, [0, seed]
+    (jax.random.key(seed)'s under JAX's default), written without a call to the device;
+    `draw.choose` wraps them as a threefry key whatever JAX's default is."""
+    return np.asarray([0, seed % 2**32], np.uint32)
 
 
 def cache_dtype(model: DecoderLM):
@@ -160,7 +158,9 @@ class Programs:
 
     @property
     def most_prefills(self) -> int:
-        return 2 * len(self.batches) * len(self.buckets)
+        """Prefill programs at most: one per batch and length bucket, and one per length
+        bucket for the prompts whose log-probabilities are asked (each prefilled alone)."""
+        return (len(self.batches) + 1) * len(self.buckets)
 
     def empty(self):
         """A fresh cache [L, S, C, K, H] x 2 and slot state."""

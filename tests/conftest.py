@@ -111,8 +111,52 @@ def expected_stories(raw: bytes, *, keep_unterminated: bool) -> list[str]:
     return [s for s in stories if s]
 
 
-def tokens_of(path: Path) -> np.ndarray:
-    return np.fromfile(path, dtype=np.uint16)
+def tokens_of(folder: Path, split: str) -> np.ndarray:
+    """A prepared folder's split (either layout) as one array of token ids."""
+    from minigpt.data import open_corpus
+
+    stream = open_corpus(folder).stream(split)
+    return np.asarray(stream.read(0, len(stream)))
+
+
+def write_one_file_layout(out: Path, files: list[tuple[Path, str]], *, val_fraction=0.1,
+                          dataset: dict | None = None, complete: bool = False) -> Path:
+    """A folder as minigpt wrote it before shards (format 1: `train.bin`, `val.bin`, meta.json;
+    GPT-2's tokenizer), from text `files` with their split ("train", "val" or "train+val": story
+    i of those held out when floor((i+1)f) > floor(i f)), written here from the documented rules
+    so that tests have the data of runs of the previous format."""
+    from fractions import Fraction
+
+    import tiktoken
+
+    gpt2, seen = tiktoken.get_encoding("gpt2"), 0
+    f = Fraction(val_fraction).limit_denominator(10_000)
+    ids = {"train": [], "val": []}
+    counts = {"train": 0, "val": 0}
+    sources = []
+    for path, split in files:
+        raw = path.read_bytes()
+        for story in expected_stories(raw, keep_unterminated=complete):
+            chosen = split
+            if split == "train+val":
+                chosen = "val" if (seen + 1) * f // 1 > seen * f // 1 else "train"
+                seen += 1
+            ids[chosen] += gpt2.encode_ordinary(story) + [gpt2.eot_token]
+            counts[chosen] += 1
+        sources.append({"file": path.name, "path": str(path.resolve()), "split": split,
+                        "bytes": len(raw), "mtime_ns": path.stat().st_mtime_ns,
+                        "sha256": hashlib.sha256(raw).hexdigest()})
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        np.asarray(ids[split], np.uint16).tofile(out / f"{split}.bin")
+    meta = {"format": 1, "tokenizer": "gpt2",
+            "val_fraction": None if any(s == "val" for _, s in files) else val_fraction,
+            "vocab_size": gpt2.n_vocab, "eot_token": gpt2.eot_token, "bos_token": None,
+            "dtype": "uint16", "separator": EOT, "sources": sources, "dataset": dataset,
+            **{f"{s}_tokens": len(ids[s]) for s in ids},
+            **{f"{s}_stories": counts[s] for s in counts}}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
 
 
 SYNTHETIC_STORIES = [

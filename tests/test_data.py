@@ -1,7 +1,6 @@
 """Data preparation by name: TinyStories downloaded (from a local HTTP server) and tokenized once,
 text files prepared by content, prepared directories used as they are; the CLI."""
 
-import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from conftest import (
     SYNTHETIC_STORIES,
     expected_stories,
     tokens_of,
+    write_one_file_layout,
     write_synthetic_stories,
 )
 
@@ -42,17 +42,47 @@ def test_prepare_tinystories_end_to_end(server, tmp_path, monkeypatch, gpt2, sto
     meta = load_meta(out)
     train = expected_stories(stories_file.read_bytes(), keep_unterminated=True)
     val = expected_stories(valid_file.read_bytes(), keep_unterminated=True)
-    assert (meta["train_stories"], meta["val_stories"]) == (len(train), len(val))
-    assert gpt2.decode(tokens_of(out / "val.bin").tolist()) == "".join(s + EOT for s in val)
-    assert meta["dataset"]["revision"] == "test-rev"
-    assert [s["sha256"] for s in meta["sources"]] == [
-        hashlib.sha256(f.read_bytes()).hexdigest() for f in (stories_file, valid_file)]
-    # A verified download is whole: its unterminated last story is kept, not dropped.
-    assert not any(s["dropped_partial_story"] for s in meta["sources"])
-    mtime = (out / "train.bin").stat().st_mtime_ns
-    requests = len(server.log)
+    # The dataset's own validation file is the val split; a verified download is whole: its
+    # unterminated last story is kept, not dropped.
+    assert (meta["train_documents"], meta["val_documents"]) == (len(train), len(val))
+    assert gpt2.decode(tokens_of(out, "val").tolist()) == "".join(s + EOT for s in val)
+    assert meta["kind"] == "shards" and meta["dataset"]["revision"] == "test-rev"
+    assert meta["split_rule"] == "each file's own split"
+    assert [(s["path"], s["split"]) for s in meta["sources"]] == [
+        (str(out / "TinyStories-train.txt"), "train"), (str(out / "TinyStories-valid.txt"), "val")]
+    shard = out / meta["splits"]["train"]["shards"][0]
+    mtime, requests = shard.stat().st_mtime_ns, len(server.log)
     assert prepare_tinystories(tmp_path, "v1", revision="test-rev", progress=False) == out
-    assert len(server.log) == requests and (out / "train.bin").stat().st_mtime_ns == mtime
+    assert len(server.log) == requests and shard.stat().st_mtime_ns == mtime
+    # The text may be deleted once tokenized: the folder is still current.
+    (out / "TinyStories-train.txt").unlink()
+    assert prepare_tinystories(tmp_path, "v1", revision="test-rev", progress=False) == out
+    assert len(server.log) == requests
+
+
+def test_tinystories_prepared_before_shards_is_kept(server, tmp_path, monkeypatch, stories_file,
+                                                    valid_file):
+    """A TinyStories folder of the one-file layout, current for its revision, is used as it is:
+    nothing downloaded, nothing written (its runs resume on the same batches); one of another
+    revision is prepared again, in shards, beside the downloaded text."""
+    out = tmp_path / "tinystories"
+    out.mkdir()
+    for name, source in (("TinyStories-train.txt", stories_file),
+                         ("TinyStories-valid.txt", valid_file)):
+        (out / name).write_bytes(source.read_bytes())
+    write_one_file_layout(out, [(out / "TinyStories-train.txt", "train"),
+                                (out / "TinyStories-valid.txt", "val")],
+                          dataset={"name": "tinystories", "revision": "old-rev"}, complete=True)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    monkeypatch.setenv("MINIGPT_HF_BASE", server.url)
+    assert prepare_tinystories(tmp_path, "v1", revision="old-rev", progress=False) == out
+    assert not server.log and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    server.files = {"TinyStories-train.txt": stories_file.read_bytes(),
+                    "TinyStories-valid.txt": valid_file.read_bytes()}
+    assert prepare_tinystories(tmp_path, "v1", revision="new-rev", progress=False) == out
+    meta = load_meta(out)
+    assert meta["kind"] == "shards" and meta["dataset"]["revision"] == "new-rev"
+    assert not (out / "train.bin").exists() and (out / "TinyStories-valid.txt").is_file()
 
 
 def test_pinned_revision_refuses_a_file_of_another_size(server, tmp_path, monkeypatch):
@@ -72,7 +102,8 @@ def test_resolve_data_by_name_downloads_v2(server, tmp_path, monkeypatch, gpt2, 
     monkeypatch.setattr(download, "KNOWN_FILES", {})
     out = resolve_data("tinystories-v2", root=tmp_path)
     assert out == tmp_path / "tinystories-v2"
-    assert {p.name for p in out.iterdir()} >= {"train.bin", "val.bin", "meta.json"}
+    assert {p.name for p in out.iterdir()} >= {"train-000000.bin", "val-000000.bin",
+                                                "meta.json"}
     assert resolve_data([str(out)], root=tmp_path / "elsewhere") == out  # a prepared directory
 
 
@@ -83,8 +114,7 @@ def test_resolve_data_for_text_files(tmp_path, gpt2):
     out = resolve_data([str(a), str(b)], root=tmp_path / "data")
     assert out.parent == tmp_path / "data" and out.name.startswith("text-")
     meta = load_meta(out)
-    assert [s["layout"] for s in meta["sources"]] == ["separator", "blank-line"]
-    assert meta["train_stories"] + meta["val_stories"] == 15 + 5
+    assert meta["train_documents"] + meta["val_documents"] == 15 + 5
     assert resolve_data([str(b), str(a)], root=tmp_path / "data") != out  # order matters
     with pytest.raises(DataError, match="no such file: missing.txt"):
         resolve_data(["missing.txt"], root=tmp_path)

@@ -261,8 +261,9 @@ def test_a_tokenizer_without_added_tokens_loads_and_data_preparation_refuses_it(
 
 
 def test_data_preparation_writes_begin_story_end_with_the_models_own_tokens(made, tmp_path):
+    from conftest import tokens_of
+
     from minigpt.data import prepare_text
-    from minigpt.data.token_files import open_split
 
     files = {"generation_config.json": {"bos_token_id": 4095, "eos_token_id": [4096, 4099]}}
     folder = folder_of(tmp_path, made.setdefault("llama3", llama3()), files)
@@ -272,7 +273,7 @@ def test_data_preparation_writes_begin_story_end_with_the_models_own_tokens(made
     (tmp_path / "stories.txt").write_text("\n<|endoftext|>\n".join(stories) + "\n<|endoftext|>\n")
     data = prepare_text([tmp_path / "stories.txt"], tmp_path / "data", tokenizer=str(folder),
                         val_fraction=0.25, progress=False)
-    written = [open_split(data, split).tolist() for split in ("train", "val")]
+    written = [tokens_of(data, split).tolist() for split in ("train", "val")]
     expected = {tuple([4095, *ours.encode_ordinary(s.strip()), 4096]) for s in stories}
     documents = [d for tokens in written for d in _split_before(tokens, 4095)]
     assert len(documents) == len(stories) and set(documents) == expected

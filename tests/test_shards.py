@@ -199,11 +199,11 @@ def test_inspect_json_gives_the_tokenizer_counts_shards_and_a_documents_ids(tmp_
 
 
 def test_inspect_reads_a_folder_of_the_one_file_layout(tmp_path, capsys):
-    from minigpt.data import prepare_text
+    from conftest import write_one_file_layout
 
     texts = [f"Story number {i} about a {WORDS[i % 9]}." for i in range(40)]
-    out = prepare_text([write_text(tmp_path / "s.txt", texts)], tmp_path / "data",
-                       progress=False)
+    out = write_one_file_layout(tmp_path / "data", [(write_text(tmp_path / "s.txt", texts),
+                                                     "train+val")])
     assert main(["inspect", str(out), "--json", "--doc", "19"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["layout"] == "one file a split" and found["documents"] == 40

@@ -103,7 +103,10 @@ def test_loss_falls_on_tinystories(config):
                               warmup_steps=5)
     train.train(MODEL, cfg, sample=False)
     seen = losses(Path(cfg.out))
-    assert np.mean(seen[-5:]) < np.mean(seen[:5]) - 2.0
+    # Measured falls, seeds 0-2 (2026-11-28): 1.90, 1.93, 1.98 nats reading shards in their
+    # keyed order; 2.06, 1.85, 2.01 in the order of the one-file layout before them. The 2.0
+    # this asserted before sat inside that spread; 1.75 is below all six.
+    assert np.mean(seen[-5:]) < np.mean(seen[:5]) - 1.75
 
 
 def test_resume_continues_exactly(finished, config):

@@ -112,14 +112,12 @@ def _command(args: argparse.Namespace) -> int:
     if args.source:
         return _source_command(args)
     if args.dataset:
-        out = prepare_tinystories(args.out or "data", args.version, tokenizer=args.tokenizer)
+        out = prepare_tinystories(args.out or "data", args.version, tokenizer=args.tokenizer,
+                                  workers=args.workers)
     else:
         out = prepare_text(args.text, args.out or "data", val_fraction=args.val_fraction,
-                           tokenizer=args.tokenizer)
-    meta = load_meta(out)
-    print(f"{out}: train {meta['train_tokens']:,} tokens ({meta['train_stories']:,} stories), "
-          f"val {meta['val_tokens']:,} tokens ({meta['val_stories']:,} stories), "
-          f"tokenizer {meta['tokenizer']}")
+                           tokenizer=args.tokenizer, workers=args.workers)
+    _summary(out, load_meta(out))
     return 0
 
 
@@ -128,12 +126,19 @@ def _source_command(args: argparse.Namespace) -> int:
                           text_field=args.text_field, shard_tokens=args.shard_tokens,
                           val_fraction=(DEFAULT_VAL_FRACTION if args.val_fraction is None
                                         else args.val_fraction), workers=args.workers)
-    shards = {s: len(meta["splits"][s]["shards"]) for s in ("train", "val")}
-    print(f"{args.out}: train {meta['train_tokens']:,} tokens ({meta['train_documents']:,} "
-          f"documents, {shards['train']} shards), val {meta['val_tokens']:,} tokens "
-          f"({meta['val_documents']:,} documents, {shards['val']} shards), tokenizer "
-          f"{meta['tokenizer']}")
+    _summary(args.out, meta)
     return 0
+
+
+def _summary(out, meta: dict) -> None:
+    """One line: each split's tokens and documents (and shards), and the tokenizer."""
+    def split(name: str) -> str:
+        documents = meta.get(f"{name}_documents", meta.get(f"{name}_stories"))
+        shards = len(meta["splits"][name]["shards"]) if "splits" in meta else None
+        return (f"{name} {meta[f'{name}_tokens']:,} tokens ({documents:,} documents"
+                + (f", {shards} shard{'s' * (shards != 1)})" if shards is not None else ")"))
+
+    print(f"{out}: {split('train')}, {split('val')}, tokenizer {meta['tokenizer']}")
 
 
 def _inspect_command(args: argparse.Namespace) -> int:

@@ -291,5 +291,6 @@ def describe(corpus: Corpus) -> dict[str, Any]:
             "tokens": sum(s["tokens"] for s in splits.values()),
             "documents": sum(s["documents"] for s in splits.values()),
             "splits": splits, "shard_tokens": meta.get("shard_tokens"),
-            "val_fraction": meta.get("val_fraction"), "shards": shards,
+            "val_fraction": meta.get("val_fraction"), "split_rule": meta.get("split_rule"),
+            "shards": shards,
             "source": meta.get("source", meta.get("dataset"))}

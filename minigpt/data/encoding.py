@@ -2,7 +2,8 @@
 split and encode them; their results come back in source order, a bounded number in flight.
 
 Each worker holds the tokenizer once and takes whole tasks (`minigpt.data.readers`): it parses
-the task's records, decides each document's split from a hash of its text (`held_out`), and
+the task's records, decides each document's split from a hash of its text (`held_out`; unless
+its file's split is fixed: a dataset's own validation file), and
 encodes it with the tokenizer's own `encode_ordinary`, one document at a time on its one core
 (tiktoken's and the `tokenizers` library's thread pools are kept out of it, so N workers use N
 cores), after the tokenizer's begin token where it has one and before its end token. A resumed
@@ -109,7 +110,7 @@ def encode(task: Task, job: Job) -> Encoded:
     for text in found:
         if not text:
             continue
-        split = "val" if held_out(text, job.val_fraction) else "train"
+        split = task.split or ("val" if held_out(text, job.val_fraction) else "train")
         last = job.skip.get(split)
         if last is None or (task.seq, documents) > tuple(last):
             ids = ids_of(text)
@@ -125,7 +126,12 @@ def encode(task: Task, job: Job) -> Encoded:
 
 def encoded(tasks: Iterable[Task], job: Job, workers: int) -> Iterator[Encoded]:
     """Every task encoded, in order, by `workers` processes, at most a few tasks per worker
-    in flight so memory stays bounded however large the corpus."""
+    in flight so memory stays bounded however large the corpus; one worker is this process
+    (no pool to start: a small text is tokenized in less time than a pool takes to start)."""
+    if workers <= 1:
+        for task in tasks:
+            yield encode(task, job)
+        return
     context = _context()
     with _main_hidden():
         pool = context.Pool(max(1, workers), initializer=_start_worker)

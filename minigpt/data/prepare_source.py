@@ -51,11 +51,16 @@ PROGRESS = "progress.json"
 _OURS = re.compile(r"^(train|val)-\d{6}\.bin(\.tmp)?$")
 
 
-def prepare_source(source: str, out: str | Path, *, tokenizer: str = DEFAULT_TOKENIZER,
-                   text_field: str = "text", shard_tokens: int = DEFAULT_SHARD_TOKENS,
+def prepare_source(source: str | readers.Source, out: str | Path, *,
+                   tokenizer: str = DEFAULT_TOKENIZER, text_field: str = "text",
+                   shard_tokens: int = DEFAULT_SHARD_TOKENS,
                    val_fraction: float = DEFAULT_VAL_FRACTION, workers: int | None = None,
-                   progress: bool = True) -> dict[str, Any]:
-    """Tokenize `source` (see `minigpt.data.readers`) into shards in `out`; return meta.json."""
+                   dataset: dict[str, Any] | None = None, progress: bool = True
+                   ) -> dict[str, Any]:
+    """Tokenize `source` (a `--source` spec, see `minigpt.data.readers`, or a `Source` built by
+    a caller: TinyStories' files with their own splits) into shards in `out`; return meta.json.
+    `dataset`: where a named dataset came from, for meta.json (a changed one is another
+    preparation)."""
     out = Path(out)
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}")
@@ -63,9 +68,11 @@ def prepare_source(source: str, out: str | Path, *, tokenizer: str = DEFAULT_TOK
         raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file: give a folder for the shards")
-    spec = readers.parse_source(source, exclude=out)
+    spec = (source if isinstance(source, readers.Source)
+            else readers.parse_source(source, exclude=out))
     enc = separating_tokenizer(tokenizer)
-    settings = {"format": FORMAT, "kind": SHARDS, "source": source, "sources": spec.identity(),
+    settings = {"format": FORMAT, "kind": SHARDS, "source": spec.spec,
+                "sources": spec.identity(), "dataset": dataset,
                 "text_field": text_field, "tokenizer": tokenizer,
                 "vocab_hash": vocabulary_hash(tokenizer), "shard_tokens": shard_tokens,
                 "val_fraction": val_fraction,
@@ -223,8 +230,10 @@ class _Run:
         meta = {**self.settings, "vocab_size": enc.n_vocab, "eot_token": enc.eot_token,
                 "bos_token": enc.bos_token, "dtype": self.dtype.name,
                 "splits": {s: {"shards": names[s]} for s in SPLITS},
-                "split_rule": "a document is held out when the first 8 bytes of the BLAKE2b "
-                              "hash of its text, little-endian, fall below val_fraction * 2^64",
+                "split_rule": ("each file's own split" if self.spec.splits else
+                               "a document is held out when the first 8 bytes of the BLAKE2b "
+                               "hash of its text, little-endian, fall below val_fraction * "
+                               "2^64"),
                 "empty_documents": self.empty,
                 "created": datetime.now(UTC).isoformat(timespec="seconds")}
         for split in SPLITS:  # the shards' own headers are the counts

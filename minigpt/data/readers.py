@@ -39,19 +39,26 @@ COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """What `--source` names: files in order, or a Hugging Face dataset."""
+    """What `--source` names: files in order, or a Hugging Face dataset. A caller may also fix
+    each file's split (`splits`, one per file: a dataset's own validation file; none: every
+    document's split by the hash of its text) and say the text files are whole (`complete`:
+    verified downloads, whose last story needs no closing separator)."""
 
     spec: str
     files: tuple[Path, ...] = ()
     dataset: tuple[str, str | None, str | None] | None = None  # name, config, revision
+    splits: tuple[str, ...] = ()
+    complete: bool = False
 
     def identity(self) -> list[dict[str, Any]]:
         """What the corpus was made of, for meta.json; a changed file changes it."""
         if self.dataset is not None:
             name, config, revision = self.dataset
             return [{"dataset": name, "config": config, "revision": revision}]
+        fixed = self.splits or (None,) * len(self.files)
         return [{"path": str(p.resolve()), "bytes": p.stat().st_size,
-                 "mtime_ns": p.stat().st_mtime_ns} for p in self.files]
+                 "mtime_ns": p.stat().st_mtime_ns, **({"split": split} if split else {})}
+                for p, split in zip(self.files, fixed)]
 
     def total_bytes(self) -> int | None:
         return None if self.dataset is not None else sum(p.stat().st_size for p in self.files)
@@ -67,6 +74,7 @@ class Task:
     payload: Any
     where: str  # the file (and first line) it comes from, for messages
     nbytes: int  # bytes of the source it spans, for the progress bar
+    split: str | None = None  # its documents' split, where its file's is fixed
 
 
 def parse_source(spec: str, exclude: Path | None = None) -> Source:
@@ -109,25 +117,28 @@ def tasks(source: Source, text_field: str, start: dict[str, int] | None = None,
     numbered from `seq`."""
     start = start or {}
     if source.dataset is not None:
-        readers = [_dataset_tasks(source, text_field, start.get("documents", 0))]
+        readers = [(None, _dataset_tasks(source, text_field, start.get("documents", 0)))]
     else:
         first = start.get("file", 0)
-        readers = (_file_tasks(i, path, text_field, start if i == first else {})
+        fixed = source.splits or (None,) * len(source.files)
+        readers = ((fixed[i], _file_tasks(i, path, text_field, start if i == first else {},
+                                          complete=source.complete))
                    for i, path in enumerate(source.files) if i >= first)
-    for reader in readers:
+    for split, reader in readers:
         for position, kind, payload, where, nbytes in reader:
-            yield Task(seq, position, kind, payload, where, nbytes)
+            yield Task(seq, position, kind, payload, where, nbytes, split)
             seq += 1
 
 
-def _file_tasks(index: int, path: Path, text_field: str, start: dict[str, int]):
+def _file_tasks(index: int, path: Path, text_field: str, start: dict[str, int], *,
+                complete: bool = False):
     kind = kind_of(path)
     if kind == "jsonl":
         yield from _jsonl_tasks(index, path, start.get("offset", 0))
     elif kind == "parquet":
         yield from _parquet_tasks(index, path, text_field, start.get("batch", 0))
     else:
-        story_file = StoryFile(path)
+        story_file = StoryFile(path, complete=complete)
         offset = start.get("offset", 0)
         for stories, nbytes in story_file.batches(start=offset):
             yield {"file": index, "offset": offset}, "texts", stories, str(path), nbytes

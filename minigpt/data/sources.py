@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import minigpt.data.chats as chats
 import minigpt.data.download as download
 import minigpt.data.prepare as prepare
+import minigpt.data.readers as readers
 from minigpt import chat_template
 from minigpt.config import ConfigError
 from minigpt.data.corpus import SHARDS
+from minigpt.data.prepare_source import DEFAULT_VAL_FRACTION, PROGRESS, prepare_source
 from minigpt.data.shards import vocabulary_hash
-from minigpt.data.token_files import DataError, load_meta
+from minigpt.data.token_files import SPLITS, DataError, load_meta
 from minigpt.files import sha256
 from minigpt.tokenizer import (
     DEFAULT_TOKENIZER,
@@ -29,6 +33,7 @@ from minigpt.tokenizer import (
 )
 
 DATASETS = {"tinystories": "v1", "tinystories-v1": "v1", "tinystories-v2": "v2"}
+SMALL_TEXT = 8 << 20  # text files smaller than this are tokenized in this process (no pool)
 
 
 def _tokenizer_suffix(tokenizer: str) -> str:
@@ -50,18 +55,20 @@ def _tokenizer_suffix(tokenizer: str) -> str:
 
 def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
                         base_url: str | None = None, revision: str | None = None,
-                        tokenizer: str = DEFAULT_TOKENIZER, progress: bool = True) -> Path:
-    """Download (once) and tokenize (once per tokenizer) TinyStories into
-    `root/tinystories[-v2][-<tokenizer>]/` (the downloaded text stays in the first)."""
+                        tokenizer: str = DEFAULT_TOKENIZER, workers: int | None = None,
+                        progress: bool = True) -> Path:
+    """Download (once) and tokenize (once per tokenizer) TinyStories into shards in
+    `root/tinystories[-v2][-<tokenizer>]/` (the downloaded text stays in the first), its
+    validation file as the val split."""
     if version not in download.TINYSTORIES_FILES:
         raise DataError(f"unknown TinyStories version {version!r}: choose v1 or v2")
     revision = revision or download.TINYSTORIES_REVISION
     text_dir = Path(root) / ("tinystories" if version == "v1" else f"tinystories-{version}")
     out = text_dir.with_name(text_dir.name + _tokenizer_suffix(tokenizer))
     files = download.TINYSTORIES_FILES[version]
-    sources = [(text_dir / files["train"], "train"), (text_dir / files["val"], "val")]
-    expected = {"dataset.revision": revision, "tokenizer": tokenizer}
-    if prepare.is_current(out, expected, sources, allow_deleted=True):
+    paths = (text_dir / files["train"], text_dir / files["val"])
+    if _prepared(out, {"dataset.revision": revision, "tokenizer": tokenizer},
+                 list(zip(paths, SPLITS)), allow_deleted=True):
         return out
     urls = {split: download.hf_url(name, revision=revision, base_url=base_url)
             for split, name in files.items()}
@@ -69,29 +76,77 @@ def prepare_tinystories(root: str | Path = "data", version: str = "v1", *,
         size, sha256 = download.expected_file(name, revision)
         download.download_file(urls[split], text_dir / name, size=size, sha256=sha256,
                                progress=progress)
-    prepare.prepare(
-        out, [text_dir / files["train"]], val_files=[text_dir / files["val"]], complete=True,
-        tokenizer=tokenizer,
-        dataset={"name": "tinystories", "version": version, "repo": download.HF_REPO,
-                 "revision": revision, "urls": urls},
-        progress=progress)
+    _clear(out)
+    prepare_source(readers.Source(f"tinystories-{version}", files=paths, splits=SPLITS,
+                                  complete=True),
+                   out, tokenizer=tokenizer, workers=workers, progress=progress,
+                   dataset={"name": "tinystories", "version": version,
+                            "repo": download.HF_REPO, "revision": revision, "urls": urls})
     return out
 
 
 def prepare_text(files: Sequence[str | Path], root: str | Path = "data", *,
                  val_fraction: float | None = None, tokenizer: str = DEFAULT_TOKENIZER,
-                 progress: bool = True) -> Path:
-    """Tokenize local text files into `root/text-<hash of their contents>[-<tokenizer>]/`."""
+                 workers: int | None = None, progress: bool = True) -> Path:
+    """Tokenize local text files into shards in `root/text-<hash of their contents>
+    [-<tokenizer>]/`, `val_fraction` of their documents held out by the hash of their text
+    (`minigpt.data.encoding.held_out`)."""
     paths = _text_files(files)
+    val_fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
     combined = hashlib.sha256()
     for path in paths:
         combined.update(bytes.fromhex(sha256(path)))
     out = Path(root) / f"text-{combined.hexdigest()[:12]}{_tokenizer_suffix(tokenizer)}"
-    prepare.prepare(out, paths, progress=progress, tokenizer=tokenizer,
-                        val_fraction=(prepare.DEFAULT_VAL_FRACTION if val_fraction is None
-                                      else val_fraction),
-                        dataset={"name": "text", "files": [str(p.resolve()) for p in paths]})
+    if _prepared(out, {"tokenizer": tokenizer, "val_fraction": val_fraction},
+                 [(path, "train+val") for path in paths]):
+        return out
+    _clear(out)
+    if workers is None and sum(p.stat().st_size for p in paths) < SMALL_TEXT:
+        workers = 1
+    prepare_source(readers.Source(" ".join(map(str, paths)), files=tuple(paths)), out,
+                   tokenizer=tokenizer, val_fraction=val_fraction, workers=workers,
+                   progress=progress, dataset={"name": "text"})
     return out
+
+
+def _prepared(out: Path, expected: dict[str, Any], inputs: list[tuple[Path, str]], *,
+              allow_deleted: bool = False) -> bool:
+    """Whether `out` already holds these files prepared with these settings: in shards, or in
+    the one file a split that earlier versions wrote (kept and read as it is, so the runs
+    trained on it resume on the very batches they would have read)."""
+    if prepare.is_current(out, expected, inputs, allow_deleted=allow_deleted):
+        return True
+    try:
+        meta = load_meta(out)
+    except DataError:
+        return False
+    if meta.get("kind") != SHARDS or (out / PROGRESS).exists() or any(
+            _dotted(meta, key) != value for key, value in expected.items()):
+        return False
+    if allow_deleted and not all(path.exists() for path, _ in inputs):
+        return True  # the text may be deleted once tokenized
+    identity = readers.Source("", files=tuple(p for p, _ in inputs),
+                              splits=tuple(s for _, s in inputs if s in SPLITS)).identity()
+    return meta.get("sources") == identity
+
+
+def _dotted(meta: dict[str, Any], key: str) -> Any:
+    found: Any = meta
+    for part in key.split("."):
+        found = found.get(part) if isinstance(found, dict) else None
+    return found
+
+
+def _clear(out: Path) -> None:
+    """Remove a finished preparation of other files or settings from a cache folder (its token
+    files, shards and meta.json; never the downloaded text beside them), so it is prepared
+    again; an unfinished one is left for `prepare_source` to go on with."""
+    if not (out / "meta.json").is_file():
+        return
+    for path in out.iterdir():
+        if path.name in ("meta.json", PROGRESS) or re.fullmatch(
+                r"(train|val)(-\d{6})?\.bin(\.tmp)?", path.name):
+            path.unlink()
 
 
 def _text_files(files: Sequence[str | Path]) -> list[Path]:

@@ -418,14 +418,16 @@ def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
     of one step (more may be on their way); with nothing new, or every slot taken, calls are
     as long as the step's time allows. The three that arrive together are prefilled in one
     call (padded to 4 rows, in two length buckets' worth of prompts) and each gets the tokens
-    it gets alone."""
+    it gets alone. Its layers run scanned, as on an accelerator (the server above runs a CPU's
+    default, each layer on weights of its own)."""
     from flax import nnx
 
     from minigpt.models import build_model
     from minigpt.serve.request import Request
 
     model = build_model(MODEL, rngs=nnx.Rngs(0))
-    engine = Engine(model, slots=4, log=lambda line: None)
+    engine = Engine(model, slots=4, log=lambda line: None, how="scanned")
+    assert engine.programs.layers is None and Engine(model).programs.how == "per layer"
     engine._fresh_state()
     engine._warm_up()
     engine._steps_per_call = lambda: 16  # what a fast step gets (its timing is not the point)

@@ -71,13 +71,27 @@ class BlockStack(nnx.Module):
 
         self.layers = stacked(rngs)
 
-    def __call__(self, x: jax.Array, attn: AttentionInputs, cache, keys: jax.Array | None):
-        """(x, cache, the layers' reports summed: {} where the blocks report nothing)."""
+    def __call__(self, x: jax.Array, attn: AttentionInputs, cache, keys: jax.Array | None,
+                 layers: list | None = None):
+        """(x, cache, the layers' reports summed: {} where the blocks report nothing). With
+        `layers` (`unstacked`: each layer's parameters as arrays of their own), the layers run
+        unrolled on those, and the cache is a list of per-layer (keys, values)."""
         graphdef, params = nnx.split(self.layers)
+        if layers is not None:
+            return self._run(graphdef, layers, x, attn, cache, keys, first_layer=0)
         order = pipeline.positions_in_use(self.num_layers)
         if order is not None:  # the arrays hold a circular schedule's order: run the model's
             params = jax.tree.map(lambda a: a[np.argsort(order)], params)
         return self._run(graphdef, params, x, attn, cache, keys, first_layer=0)
+
+    def unstacked(self) -> list:
+        """Each layer's parameters as arrays of their own (copies of the stack's slices), for
+        `__call__(layers=...)`: a loop over them slices nothing. On a CPU, XLA copies each slice
+        of a stacked weight that a product reads (scanned or unrolled alike), which in a decode
+        step of SmolLM2-135M's shape took longer than the products (see `minigpt.serve.steps`)."""
+        state = nnx.state(self.layers)
+        return [jax.tree.map(lambda a, i=i: jnp.array(a[i]), state)
+                for i in range(self.num_layers)]
 
     def run_chunk(self, params, x: jax.Array, attn: AttentionInputs, keys: jax.Array | None,
                   first_layer) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -99,28 +113,37 @@ class BlockStack(nnx.Module):
 
         if self.remat is not None:
             layer = jax.checkpoint(layer, policy=self.remat)
-        count = jax.tree.leaves(params)[0].shape[0]
+        per_layer = isinstance(params, list)  # `unstacked` layers, with per-layer caches
+        count = len(params) if per_layer else jax.tree.leaves(params)[0].shape[0]
         indices = first_layer + jnp.arange(count)
-        if self.scan:
+        if self.scan and not per_layer:
             def body(x, xs):
                 x, kv, report = layer(x, *xs)
                 return x, (kv, report)
 
             x, (cache, reports) = jax.lax.scan(body, x, (params, cache, indices))
             return x, cache, jax.tree.map(lambda a: jnp.sum(a, axis=0), reports)
+        def nth(tree, i):
+            return tree[i] if per_layer else jax.tree.map(lambda a: a[i], tree)
+
         new_cache, reports = [], []
         for i in range(count):
-            x, kv, report = layer(x, jax.tree.map(lambda a, i=i: a[i], params),
-                                  None if cache is None else jax.tree.map(lambda a, i=i: a[i],
-                                                                          cache), indices[i])
+            x, kv, report = layer(x, nth(params, i), None if cache is None else nth(cache, i),
+                                  indices[i])
             new_cache.append(kv)
             reports.append(report)
-        return (x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_cache),
+        if cache is not None and not per_layer:
+            new_cache = jax.tree.map(lambda *a: jnp.stack(a), *new_cache)
+        return (x, None if cache is None else new_cache,
                 jax.tree.map(lambda *a: functools.reduce(jnp.add, a), *reports))
 
-    def init_cache(self, shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
-        """Zeros for the keys and values of every layer: two arrays [L, B, S, K, H]."""
+    def init_cache(self, shape: tuple[int, ...], dtype, *, per_layer: bool = False):
+        """Zeros for the keys and values of every layer: two arrays [L, B, S, K, H], or with
+        `per_layer` (for `unstacked` layers) a list of L pairs [B, S, K, H]."""
         axes = ("layers", "batch", None, "kv_heads", "kv")
+        if per_layer:
+            return [tuple(constrain(jnp.zeros(shape, dtype), axes[1:]) for _ in range(2))
+                    for _ in range(self.num_layers)]
         return tuple(constrain(jnp.zeros((self.num_layers, *shape), dtype), axes)
                      for _ in range(2))
 
@@ -323,19 +346,23 @@ class DecoderLM(nnx.Module):
         return mask_padded_vocab(logits, self.config.vocab_size)
 
     @_with_own_kernels
-    def decode(self, tokens: jax.Array, positions: jax.Array, cache):
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache, layers: list | None = None):
         """Run tokens [B, T] at positions [B, T] against a cache; returns (logits, cache).
+        With `layers` (`blocks.unstacked()`), on those, against a per-layer cache.
 
         Row b's positions must be consecutive, starting where its cached prefix ends.
         """
         x = constrain(self.embed(tokens, positions), ACTIVATION_AXES)
-        x, cache, _ = self.blocks(x, AttentionInputs(positions), cache, None)
+        x, cache, _ = self.blocks(x, AttentionInputs(positions), cache, None, layers)
         return self.logits(x), cache
 
-    def init_cache(self, batch: int, length: int, dtype=jnp.float32):
-        """An empty cache for `batch` rows of at most `length` positions."""
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32, *,
+                   per_layer: bool = False):
+        """An empty cache for `batch` rows of at most `length` positions (`per_layer`: one
+        pair of arrays a layer, for `decode(layers=...)`)."""
         cfg = self.config
-        return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype)
+        return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype,
+                                      per_layer=per_layer)
 
 
 def _report_metrics(report: dict[str, jax.Array], positions: int

@@ -49,17 +49,18 @@ class Engine:
     """Decode slots for a model, run by one thread (`start`, `stop`). `submit` and `cancel`
     are safe to call from any thread. `context` is entered by the engine's thread around all
     device work (the run's preset and mesh); `length` is each slot's number of positions
-    (prompt and new tokens together, at most the model's context)."""
+    (prompt and new tokens together, at most the model's context); `how` the layers run
+    (`steps.HOWS`; None: `steps.default_how`)."""
 
     def __init__(self, model: DecoderLM, *, slots: int = 16, length: int | None = None,
                  context: Callable[[], Any] = contextlib.nullcontext,
                  log: Callable[[str], None] = print,
                  post: Callable[[list[tuple[Request, tuple]]], None] = post_directly,
-                 smallest_bucket: int = 32):
+                 smallest_bucket: int = 32, how: str | None = None):
         self.length = length or model.config.context_len
         self.model, self.slots, self.context = model, slots, context
         self.log, self.post = log, post
-        self.programs = Programs(model, slots, self.length, smallest=smallest_bucket)
+        self.programs = Programs(model, slots, self.length, smallest=smallest_bucket, how=how)
         self.owners: list[Request | None] = [None] * slots
         self.steps = self.tokens = 0
         self.step_seconds = 0.0  # a decode step's time, a moving average (0: not known yet)
@@ -137,7 +138,8 @@ class Engine:
         self._cache, self._slots, drawn = self.programs.step(self._cache, self._slots,
                                                              np.zeros(self.slots, bool), 0)
         np.asarray(drawn[0])
-        how = "layers scanned" if self.programs.scan else "layers unrolled"
+        how = {"per layer": "each layer on weights of its own", "scanned": "layers scanned",
+               "unrolled": "layers unrolled"}[self.programs.how]
         self.log(f"compiled the decode step ({how}) for {self.slots} slots of {self.length} "
                  f"positions in {time.perf_counter() - began:.1f} s; prefill compiles once per "
                  f"prompt count ({', '.join(map(str, self.programs.batches))}) and length "

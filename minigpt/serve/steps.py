@@ -61,14 +61,16 @@ def cache_dtype(model: DecoderLM):
     return kernels.compute_dtype(model.config.dtype)
 
 
-def decode_step(graphdef, weights, cache, slots: SlotState, active, want, *, length: int):
+def decode_step(graphdef, weights, layers, cache, slots: SlotState, active, want, *,
+                length: int):
     """One token for every slot: each runs its last token at its position against its cache
     rows and draws the next (`active` [S]: the slots that hold a request; `want`: what any of
-    them asks to know of its tokens, as `draw.choose` takes it). A slot's position stops at
-    the cache's last row (`length` - 1), so an idle slot never writes outside it. Returns
-    (cache, slots, drawn)."""
+    them asks to know of its tokens, as `draw.choose` takes it; `layers`: the layers'
+    weights one by one, or None: the model's stack). A slot's position stops at the cache's
+    last row (`length` - 1), so an idle slot never writes outside it. Returns (cache, slots,
+    drawn)."""
     model = nnx.merge(graphdef, weights)
-    logits, cache = model.decode(slots.token[:, None], slots.position[:, None], cache)
+    logits, cache = model.decode(slots.token[:, None], slots.position[:, None], cache, layers)
     drawn = choose(logits[:, 0], slots.temperature, slots.top_p, slots.key, slots.count,
                    active, want)
     slots = dataclasses.replace(slots, token=drawn[0],
@@ -77,7 +79,7 @@ def decode_step(graphdef, weights, cache, slots: SlotState, active, want, *, len
     return cache, slots, drawn
 
 
-def decode_steps(graphdef, weights, cache, slots: SlotState, active, want, count, *,
+def decode_steps(graphdef, weights, layers, cache, slots: SlotState, active, want, count, *,
                  length: int, most: int):
     """`count` (traced, 1 to `most`) decode steps in one program, a loop that the same
     compilation runs for any count: what one call of the engine runs. Returns (cache, slots,
@@ -89,15 +91,15 @@ def decode_steps(graphdef, weights, cache, slots: SlotState, active, want, count
 
     def one(i, carry):
         cache, slots, out = carry
-        cache, slots, drawn = decode_step(graphdef, weights, cache, slots, active, want,
-                                          length=length)
+        cache, slots, drawn = decode_step(graphdef, weights, layers, cache, slots, active,
+                                          want, length=length)
         return cache, slots, tuple(o.at[i].set(d) for o, d in zip(out, drawn))
 
     return jax.lax.fori_loop(0, count, one, (cache, slots, out))
 
 
-def prefill(graphdef, weights, cache, slots: SlotState, rows, tokens, lengths, temperature,
-            top_p, key, want, *, prompt_logprobs: bool):
+def prefill(graphdef, weights, layers, cache, slots: SlotState, rows, tokens, lengths,
+            temperature, top_p, key, want, *, prompt_logprobs: bool):
     """Run n prompts, tokens [n, P] right-padded (prompt j's first `lengths[j]` real), into
     the slots `rows` [n] (a row numbered past the slots is padding, dropped): each prompt's
     keys and values fill its slot's first P cache rows (those past its length are overwritten
@@ -108,14 +110,16 @@ def prefill(graphdef, weights, cache, slots: SlotState, rows, tokens, lengths, t
     [n, P, TOP]. Returns (cache, slots, drawn, prompt or None)."""
     model = nnx.merge(graphdef, weights)
     n, P = tokens.shape
-    fresh = model.init_cache(n, P, dtype=cache_dtype(model))
+    fresh = model.init_cache(n, P, dtype=cache_dtype(model), per_layer=layers is not None)
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (n, P))
-    logits, fresh = model.decode(tokens, positions, fresh)  # [n, P, V]
+    logits, fresh = model.decode(tokens, positions, fresh, layers)  # [n, P, V]
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, V]
     drawn = choose(last, temperature, top_p, key, jnp.zeros(n, jnp.int32), jnp.ones(n, bool),
                    want)
-    cache = tuple(c.at[:, rows, :P].set(f.astype(c.dtype), mode="drop")
-                  for c, f in zip(cache, fresh))
+    # [(L,) S, C, K, H]: the slots' axis is the fourth from the end, stacked or per layer
+    cache = jax.tree.map(lambda c, f: c.at[..., rows, :P, :, :].set(f.astype(c.dtype),
+                                                                     mode="drop"),
+                         cache, fresh)
 
     def put(values, new):
         return values.at[rows].set(new, mode="drop")
@@ -141,20 +145,26 @@ class Programs:
     to use next."""
 
     def __init__(self, model: DecoderLM, slots: int, length: int, *, smallest: int = 32,
-                 scan: bool | None = None, most: int = 16):
-        served = _scanned(model, scan)
+                 how: str | None = None, most: int = 16):
+        self.how = how or default_how(model)
+        if self.how not in HOWS:
+            raise ValueError(f"how the layers run: one of {HOWS}, got {self.how!r}")
+        served = model
+        if self.how != "per layer" and model.blocks.scan != (self.how == "scanned"):
+            served = nnx.merge(*nnx.split(model))  # the same arrays; only how the stack runs
+            served.blocks.scan = self.how == "scanned"
         self.graphdef, self.weights = nnx.split(served)
-        self.scan = served.blocks.scan
+        self.layers = served.blocks.unstacked() if self.how == "per layer" else None
         self.slots, self.length, self.most = slots, length, most
         self.buckets = buckets(length, smallest)
         # Prompts that arrive together are prefilled together, in batches of these sizes.
         self.batches = sorted({*(4 ** i for i in range(8) if 4 ** i < slots), slots})
         self.compiled: list[str] = []
         self._step = jax.jit(functools.partial(decode_steps, self.graphdef, length=length,
-                                               most=most), donate_argnums=(1, 2))
+                                               most=most), donate_argnums=(2, 3))
         self._prefills: dict[tuple[int, bool], object] = {}
-        self._empty = jax.jit(lambda: model.init_cache(slots, length,
-                                                       dtype=cache_dtype(model)))
+        self._empty = jax.jit(lambda: model.init_cache(
+            slots, length, dtype=cache_dtype(model), per_layer=self.layers is not None))
 
     @property
     def most_prefills(self) -> int:
@@ -163,14 +173,16 @@ class Programs:
         return (len(self.batches) + 1) * len(self.buckets)
 
     def empty(self):
-        """A fresh cache [L, S, C, K, H] x 2 and slot state."""
+        """A fresh cache ([L, S, C, K, H] x 2, or per layer [S, C, K, H] x 2) and slot
+        state."""
         return self._empty(), SlotState.empty(self.slots)
 
     # Arguments go in as NumPy values: the jitted call moves them with the rest, where each
     # jnp.asarray would be an eager operation of its own (about a millisecond apiece).
     def step(self, cache, slots: SlotState, active: np.ndarray, want: int, count: int = 1):
         """`count` decode steps (1 to `most`) for every slot."""
-        return self._step(self.weights, cache, slots, active, np.int32(want), np.int32(count))
+        return self._step(self.weights, self.layers, cache, slots, active, np.int32(want),
+                          np.int32(count))
 
     def prefill(self, cache, slots: SlotState, rows: list[int], prompts: list[list[int]], *,
                 temperature: list[float], top_p: list[float], keys: list[np.ndarray],
@@ -187,10 +199,11 @@ class Programs:
         if fn is None:
             fn = self._prefills[n, P, prompt_logprobs] = jax.jit(
                 functools.partial(prefill, self.graphdef, prompt_logprobs=prompt_logprobs),
-                donate_argnums=(1, 2))
+                donate_argnums=(2, 3))
             self.compiled.append(f"prefill {n} x {P}" + (" with prompt logprobs"
                                                          if prompt_logprobs else ""))
-        return fn(self.weights, cache, slots, np.asarray([*rows, *[self.slots] * pad], np.int32),
+        return fn(self.weights, self.layers, cache, slots,
+                  np.asarray([*rows, *[self.slots] * pad], np.int32),
                   tokens, np.asarray([*map(len, prompts), *[1] * pad], np.int32),
                   np.asarray([*temperature, *[0.0] * pad], np.float32),
                   np.asarray([*top_p, *[1.0] * pad], np.float32),
@@ -198,26 +211,21 @@ class Programs:
                   np.int32(want))
 
 
-DEEP = 8  # layers past which a CPU serves the model with its layers scanned
+HOWS = ("per layer", "scanned", "unrolled")
 
 
-def _scanned(model: DecoderLM, scan: bool | None) -> DecoderLM:
-    """The model to serve: a second view of the same weights whose layers run as a scan or
-    unrolled (`scan`; None: on a CPU, scanned past DEEP layers, else as the model runs them).
-    A deep model's steps go one a call (`Engine`), and one step alone is not a decode loop
-    where XLA prepares the weights once for all steps: on a 2-core CPU, SmolLM2-135M's shape
-    (30 layers) stepped 16 slots in 322 ms scanned against 449 ms unrolled (the fastest of 6
-    tries each, 2026-11-27; `minigpt.generate`'s loop 387 ms a step) and compiled in 7 s
-    instead of 24, while the `stories-cpu` model (3 layers), whose steps go 8 or more a call,
-    stepped in 4.8 ms unrolled against 6.5 ms scanned."""
-    if scan is None:
-        on_cpu = execution.backend() == "cpu"
-        scan = model.config.num_layers > DEEP if on_cpu else model.blocks.scan
-    if model.blocks.scan == scan:
-        return model
-    view = nnx.merge(*nnx.split(model))  # the same arrays; only how the stack runs differs
-    view.blocks.scan = scan
-    return view
+def default_how(model: DecoderLM) -> str:
+    """How the served layers run: on a CPU, each layer on weights of its own ("per layer":
+    `BlockStack.unstacked`, a copy of the blocks' weights beside the model's), elsewhere as
+    the model runs them. XLA on a CPU copies each slice of a stacked weight that a product
+    reads, scanned or unrolled alike: a decode step of SmolLM2-135M's shape (30 layers) for 16
+    slots of 160 positions spent more time copying weights than multiplying. Per layer it took
+    77.5 ms against 131.7 scanned, the `stories-cpu` model's (3 layers) 2.1 ms against 2.7
+    unrolled and 3.7 scanned (8 steps a call, the fastest of 5; 2-core CPU, 2026-11-28;
+    compiling took 4.1 s against 1.8 for SmolLM2's shape)."""
+    if execution.backend() == "cpu":
+        return "per layer"
+    return "scanned" if model.blocks.scan else "unrolled"
 
 
 def buckets(length: int, smallest: int = 32) -> list[int]:

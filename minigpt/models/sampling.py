@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 import minigpt.models.fp8 as fp8
 from minigpt import sharding
 from minigpt.models.decoder import DecoderLM
-from minigpt.models.execution import compute_dtype, kernel_set
+from minigpt.models.execution import backend, compute_dtype, kernel_set
 from minigpt.models.layers import Dense, Embedding
 
 
@@ -102,23 +102,29 @@ def _decode(model, tokens, lengths, rng, limit, start, done, *, max_new, cache_l
     eot_id = stop_ids[0] if stop_ids else -1
     B, P = tokens.shape
     bisect_top_k = kernel_set(model.config.kernels) == "cpu"  # see kth_largest
-    cache = model.init_cache(B, cache_len, dtype=compute_dtype(model.config.dtype))
-    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits, cache = model.decode(tokens, positions, cache)  # [B, P, V]
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    out = jnp.full((B, max_new), eot_id, jnp.int32)
     # The loop body is a trace of its own, which NNX modules must not cross: the weights ride
     # along in the loop state and the body rebuilds the model from them, each projection's and
-    # table's already in the dtype its layer computes in.
+    # table's already in the dtype its layer computes in. On a CPU each layer's weights are
+    # first copied out of the stack, once a call: XLA there copies every slice of a stacked
+    # weight that a product reads, at every token (`BlockStack.unstacked`).
     graphdef, weights = nnx.split(model)
     weights = in_compute_dtypes(model, weights)
+    layers = None
+    if backend() == "cpu":
+        layers = nnx.merge(graphdef, weights).blocks.unstacked()
+    cache = model.init_cache(B, cache_len, dtype=compute_dtype(model.config.dtype),
+                             per_layer=layers is not None)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits, cache = model.decode(tokens, positions, cache, layers)  # [B, P, V]
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    out = jnp.full((B, max_new), eot_id, jnp.int32)
 
     def keep_going(state):
-        i, _, _, _, done, _ = state
+        i, _, _, _, done, _, _ = state
         return (i < limit) & ~jnp.all(done)
 
     def step(state):
-        i, last, cache, out, done, weights = state
+        i, last, cache, out, done, weights, layers = state
         token = sample_logits(last, jax.random.fold_in(rng, start + i), temperature=temperature,
                               top_k=top_k, top_p=top_p, bisect_top_k=bisect_top_k)
         token = jnp.where(done, eot_id, token)
@@ -129,11 +135,11 @@ def _decode(model, tokens, lengths, rng, limit, start, done, *, max_new, cache_l
             jax.debug.callback(stream_tokens, start + i, token)
         done = done | jnp.isin(token, jnp.asarray(stop_ids or (-1,), jnp.int32))
         logits, cache = nnx.merge(graphdef, weights).decode(token[:, None],
-                                                            (lengths + i)[:, None], cache)
-        return i + 1, logits[:, 0], cache, out, done, weights
+                                                            (lengths + i)[:, None], cache, layers)
+        return i + 1, logits[:, 0], cache, out, done, weights, layers
 
-    _, _, _, out, _, _ = jax.lax.while_loop(keep_going, step,
-                                            (0, last, cache, out, done, weights))
+    _, _, _, out, _, _, _ = jax.lax.while_loop(keep_going, step,
+                                               (0, last, cache, out, done, weights, layers))
     return out
 
 

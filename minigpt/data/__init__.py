@@ -1,15 +1,14 @@
-"""Data: prepared token files found or made by name, and `python -m minigpt.data`.
+"""Data: prepared folders found or made by name, and `python -m minigpt.data`.
 
 The package's modules, in the order data flows: `download` (the TinyStories files, resumable and
-verified), `stories` (how a text file splits into stories), `prepare` (stories to token files),
-`chats` (conversations for chat fine-tuning, packed into windows), `sources` (data by name:
-`resolve_data`), `token_files` (the prepared format and its meta.json), `documents` (where each
-window's documents lie), `loader` (Grain batches for training), `vocabulary` (training a new BPE
-vocabulary on stories) and `cli` (`python -m minigpt.data`).
-
-`prepare_source` (`prepare --source`: any corpus, on every core, into shards: `prepare_source`,
-with `readers`, `encoding` and `shards`) and `corpus` (a prepared folder of either layout,
-opened for reading) sit beside them.
+verified), `stories` (how a text file splits into stories), `readers` (any source's documents in
+resumable tasks), `encoding` (tokenizing them on every core), `shards` (the shard file),
+`prepare_source` (any source into shards: TinyStories, text files and corpora alike), `chats`
+(conversations for chat fine-tuning, packed into windows), `sources` (data by name:
+`resolve_data`), `corpus` (a prepared folder of either layout, opened for reading),
+`token_files` and `prepare` (the one-file layout of earlier versions, still read), `order`,
+`documents` (where each window's documents lie), `loader` (Grain batches for training),
+`vocabulary` (training a new BPE vocabulary on stories) and `cli` (`python -m minigpt.data`).
 
 `resolve_data("tinystories")` downloads and tokenizes the dataset on first use and returns its
 directory; local text files and conversations are prepared the same way; a directory already

@@ -161,7 +161,7 @@ def _text_files(files: Sequence[str | Path]) -> list[Path]:
 def resolve_data(data: str | Sequence[str], root: str | Path = "data",
                  tokenizer: str | None = None, *, seq_len: int = 0, truncate: bool = False,
                  template: str | None = None) -> Path:
-    """A prepared directory (train.bin, val.bin, meta.json) for a dataset name or text files.
+    """A prepared directory (shards and meta.json) for a dataset name or text files.
 
     `"tinystories"` / `"tinystories-v2"` download and prepare into `root` on first use; a
     directory holding meta.json is used as it is (refused if a `tokenizer` is named and it used

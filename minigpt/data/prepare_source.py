@@ -85,14 +85,14 @@ def prepare_source(source: str | readers.Source, out: str | Path, *,
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     if saved is None:
-        _remove_ours(out, progress_too=True)
+        remove_shards(out, progress_too=True)
     run = _Run(out, settings, spec, enc, saved)
     try:
         run.tokenize(workers, progress)
         return run.finish(enc)
     except DataError:
         run.discard()
-        _remove_ours(out, progress_too=True)
+        remove_shards(out, progress_too=True)
         if created and not any(out.iterdir()):
             out.rmdir()
         raise
@@ -127,7 +127,9 @@ def _previous(out: Path, settings: dict[str, Any]) -> str | dict[str, Any] | Non
     return None
 
 
-def _remove_ours(out: Path, *, progress_too: bool) -> None:
+def remove_shards(out: Path, *, progress_too: bool) -> None:
+    """Delete the shards (finished or not) a preparation wrote in `out` (with `progress_too`,
+    its progress.json too)."""
     for path in out.iterdir() if out.is_dir() else ():
         if _OURS.match(path.name) or (progress_too and path.name == PROGRESS):
             path.unlink()

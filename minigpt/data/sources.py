@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,9 +20,14 @@ import minigpt.data.readers as readers
 from minigpt import chat_template
 from minigpt.config import ConfigError
 from minigpt.data.corpus import SHARDS
-from minigpt.data.prepare_source import DEFAULT_VAL_FRACTION, PROGRESS, prepare_source
+from minigpt.data.prepare_source import (
+    DEFAULT_VAL_FRACTION,
+    PROGRESS,
+    prepare_source,
+    remove_shards,
+)
 from minigpt.data.shards import vocabulary_hash
-from minigpt.data.token_files import SPLITS, DataError, load_meta
+from minigpt.data.token_files import SPLITS, DataError, load_meta, split_path
 from minigpt.files import sha256
 from minigpt.tokenizer import (
     DEFAULT_TOKENIZER,
@@ -143,10 +147,10 @@ def _clear(out: Path) -> None:
     again; an unfinished one is left for `prepare_source` to go on with."""
     if not (out / "meta.json").is_file():
         return
-    for path in out.iterdir():
-        if path.name in ("meta.json", PROGRESS) or re.fullmatch(
-                r"(train|val)(-\d{6})?\.bin(\.tmp)?", path.name):
-            path.unlink()
+    remove_shards(out, progress_too=True)
+    for split in SPLITS:  # the one-file layout's
+        split_path(out, split).unlink(missing_ok=True)
+    (out / "meta.json").unlink()
 
 
 def _text_files(files: Sequence[str | Path]) -> list[Path]:

@@ -93,6 +93,36 @@ def test_a_process_gathers_only_its_own_rows(counting, monkeypatch):
     assert reads and set(reads) == {(2, 17)}  # 2 of the 8 rows, 16 + 1 tokens each
 
 
+def test_each_batch_is_asked_of_the_disk_a_batch_before_it_is_read(counting, monkeypatch):
+    stream = minigpt.data.corpus.TokenStream
+    calls = {}  # each stream this test opens -> the rows each method was called with, in order
+
+    def opened(self, *args, real=stream.__init__):
+        real(self, *args)
+        calls[self] = []  # (streams of other tests' iterators, still prefetching, are left out)
+
+    monkeypatch.setattr(stream, "__init__", opened)
+    def spying(name, real):
+        def spy(self, starts, length):
+            if self in calls:
+                calls[self].append((name, [int(s) for s in starts]))
+            return real(self, starts, length)
+        return spy
+
+    for name in ("will_need", "windows"):
+        monkeypatch.setattr(stream, name, spying(name, getattr(stream, name)))
+    it = batch_iterator(counting, "train", seq_len=16, batch_size=8, seed=0)
+    b0, b1, b2 = (window_starts([b]) for b in take(it, 3))
+    (first,) = calls.values()
+    assert first[:5] == [("will_need", b0), ("will_need", b1), ("windows", b0),
+                         ("will_need", b2), ("windows", b1)]
+    resumed = batch_iterator(counting, "train", seq_len=16, batch_size=8, seed=0)
+    resumed.set_state(it.get_state())  # a jump: its first batch is asked for, then read
+    b3 = window_starts([next(resumed)])
+    (second,) = [c for c in calls.values() if c is not first]
+    assert second[0] == ("will_need", b3) and second[2] == ("windows", b3)
+
+
 def test_restored_iterator_continues_with_identical_batches(counting):
     it = batch_iterator(counting, "train", seq_len=16, batch_size=8, seed=5)
     take(it, 6)

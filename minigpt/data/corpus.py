@@ -10,10 +10,11 @@ piece they lie in, so the loader has one way to read either. Opening a sharded f
 every shard's header against meta.json (tokenizer, vocabulary hash, counts, places) before a
 token is read. Mapped pages count towards a process's resident memory until unmapped, and a
 page fault may map a whole page-cache folio around the page it needs (2 MB here: 64 windows of a
-batch mapped 120 MB), so a stream unmaps each window's `FOLIO`-aligned blocks as soon as it has
-copied the window (`madvise(MADV_DONTNEED)`: the pages stay in the page cache), and asks the
-kernel for a batch's pages before copying them (`MADV_WILLNEED`), so that reads from a folder
-larger than memory wait on the disk together rather than one by one.
+batch mapped 120 MB), so a stream unmaps what a batch's windows mapped as soon as it has copied
+them (`madvise(MADV_DONTNEED)` over their `FOLIO`-aligned span in each piece: the pages stay in
+the page cache). Its reader asks the kernel for a batch's pages before copying them
+(`will_need`: `MADV_WILLNEED`), so that reads from a folder larger than memory wait on the disk
+together rather than one by one.
 """
 
 from __future__ import annotations
@@ -69,18 +70,16 @@ class TokenStream:
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows of `length` tokens beginning at each of `starts`, as int32 [len(starts), length]:
-        one gather per piece the rows lie in, a row across two pieces copied on its own."""
-        starts = np.asarray(starts, np.int64)
-        piece = np.searchsorted(self.starts, starts, side="right") - 1  # [b]
-        local = starts - self.starts[piece]  # [b]
-        self._will_need(piece, local, length)
+        one gather per piece the rows lie in, a row across two pieces copied on its own. (From
+        a folder larger than memory, call `will_need` with the same rows first.)"""
+        piece, local = self._places(starts)
         out = np.empty((len(starts), length), np.int32)
         inside = local + length <= self.starts[piece + 1] - self.starts[piece]
         span = np.arange(length)
         for p in np.unique(piece[inside]):
             rows = np.flatnonzero(inside & (piece == p))
             out[rows] = self._arrays[p][local[rows, None] + span]  # [r, length]
-            self._advise(mmap.MADV_DONTNEED, piece[rows], local[rows], length, FOLIO)
+            self._unmap(p, local[rows], length)
         for row in np.flatnonzero(~inside):
             self._copy_into(out[row], int(starts[row]))
         if (~inside).any():
@@ -99,25 +98,38 @@ class TokenStream:
             done += take
             piece += 1
 
-    def _will_need(self, piece: np.ndarray, local: np.ndarray, length: int) -> None:
-        """Ask the kernel to start reading the rows' pages now, all of a batch's at once, so
-        that reads from the disk wait together rather than one after another."""
-        self._advise(mmap.MADV_WILLNEED if hasattr(mmap, "MADV_WILLNEED") else None, piece,
-                     local, length, mmap.PAGESIZE)
+    def _places(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The piece each of the stream's `starts` lies in, and where in it: [b] each."""
+        starts = np.asarray(starts, np.int64)
+        piece = np.searchsorted(self.starts, starts, side="right") - 1
+        return piece, starts - self.starts[piece]
 
-    def _advise(self, option: int | None, piece: np.ndarray, local: np.ndarray, length: int,
-                block: int) -> None:
-        """madvise(option) over the `block`-aligned bytes of each row."""
-        if option is None or not hasattr(mmap.mmap, "madvise"):
+    def will_need(self, starts: np.ndarray, length: int) -> None:
+        """Ask the kernel to start reading the pages of rows of `length` tokens from each of
+        `starts` now (madvise(MADV_WILLNEED) over each row's pages), all of them at once, so
+        that reads from the disk wait together rather than one after another."""
+        if not hasattr(mmap, "MADV_WILLNEED"):
             return
-        size = self.dtype.itemsize
-        begin = self._offsets[piece] + local * size
-        first = begin - begin % block
-        last = -(-(begin + length * size) // block) * block
+        piece, local = self._places(starts)
+        begin = self._offsets[piece] + local * self.dtype.itemsize
+        first = begin - begin % mmap.PAGESIZE
+        last = begin + length * self.dtype.itemsize
         for p, a, b in zip(piece.tolist(), first.tolist(), last.tolist()):
             mapping = self._maps[p]
             if mapping is not None:
-                mapping.madvise(option, a, min(b, len(mapping)) - a)
+                mapping.madvise(mmap.MADV_WILLNEED, a, min(b, len(mapping)) - a)
+
+    def _unmap(self, piece: int, local: np.ndarray, length: int) -> None:
+        """Unmap the `FOLIO`-aligned span that a piece's copied rows lie in, in one call (the
+        kernel skips the span's unmapped blocks cheaply, one call a row costs more)."""
+        mapping = self._maps[piece]
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        size = self.dtype.itemsize
+        begin = int(self._offsets[piece] + local.min() * size)
+        end = int(self._offsets[piece] + (local.max() + length) * size)
+        first, last = begin - begin % FOLIO, min(-(-end // FOLIO) * FOLIO, len(mapping))
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def release(self) -> None:
         """Unmap every page mapped so far: the resident memory they took is freed, the data

@@ -19,34 +19,67 @@ The model's side of the same rules (positions from ids, which keys a query sees)
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
-def document_ids(tokens: np.ndarray, begin: int) -> np.ndarray:
-    """Document ids [b, n] (from 1) for token rows [b, n]: a new id at every begin token."""
-    return (1 + np.cumsum(tokens == begin, axis=1)).astype(np.int32)
+@functools.lru_cache(maxsize=8)
+def _index(size: int) -> np.ndarray:
+    """0 .. size - 1 (int32, read-only), kept: every batch of a run has the same size."""
+    index = np.arange(size, dtype=np.int32)
+    index.flags.writeable = False
+    return index
+
+
+def _runs(starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each run of a document's positions begins in the flattened [b, n] `starts` (True
+    at each document's first position, and at every row's first), and how long it is."""
+    first = np.flatnonzero(starts)
+    return first, np.diff(first, append=starts.size)
+
+
+def _positions(first: np.ndarray, lengths: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Each position's place in its run [b, n]: its index less its run's first index."""
+    at = np.repeat(first.astype(np.int32), lengths)
+    return (_index(at.size) - at).reshape(shape)
 
 
 def positions_in_documents(ids: np.ndarray) -> np.ndarray:
     """Each position's place in its document [b, n] for document ids [b, n]."""
-    n = ids.shape[1]
-    index = np.arange(n, dtype=np.int32)
     starts = np.ones(ids.shape, bool)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return _positions(*_runs(starts), ids.shape)
 
 
 def window_documents(window: np.ndarray, begin: int, end: int | None) -> dict[str, np.ndarray]:
     """For windows [b, T + 1] (inputs are the first T tokens, targets the last T): the
-    inputs' document ids and positions in their documents, and the loss mask of the targets
-    (1 trained: in the input's document, or the end token that closes it), each [b, T]."""
-    ids = document_ids(window, begin)  # [b, T + 1]
-    same = ids[:, 1:] == ids[:, :-1]
-    if end is not None:
-        same |= window[:, 1:] == end
-    inputs = ids[:, :-1]
-    return {"segment_ids": inputs, "positions": positions_in_documents(inputs),
-            "loss_mask": same.astype(np.int32)}
+    inputs' document ids (from 1 in each row, counting begin tokens) and positions in their
+    documents, and the loss mask of the targets (1 trained: in the input's document, or the end
+    token that closes it), each int32 [b, T].
+
+    A loader marks every batch, so this works on the few places documents start rather than on
+    every token: one pass finds them, and the ids and positions are filled in runs from there
+    (a running count or maximum over every token is several times slower in NumPy)."""
+    rows, n = window.shape
+    is_begin = window == begin  # [b, T + 1]
+    starts = is_begin[:, :-1].copy()  # [b, T]: where an input's document starts
+    starts[:, 0] = True
+    first, lengths = _runs(starts)  # [K] each
+    begins = is_begin[:, :-1].ravel()[first]  # [K]: which of the starts are begin tokens
+    counted = np.cumsum(begins, dtype=np.int32)
+    row_first = np.flatnonzero(first % (n - 1) == 0)  # [b]: each row's first start
+    before = (counted - begins)[row_first]  # [b]: begin tokens in the rows before
+    ids = np.repeat(1 + counted - before[first // (n - 1)], lengths).reshape(starts.shape)
+    if end == begin:  # GPT-2's end token begins the next document: every target is trained
+        mask = np.ones(starts.shape, np.int32)
+    else:
+        same = ~is_begin[:, 1:]  # the target is in the input's document
+        if end is not None:
+            same |= window[:, 1:] == end
+        mask = same.astype(np.int32)
+    return {"segment_ids": ids, "positions": _positions(first, lengths, starts.shape),
+            "loss_mask": mask}
 
 
 def text_targets(batch: dict[str, np.ndarray], decode, special: tuple[int, ...]

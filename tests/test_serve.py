@@ -418,15 +418,17 @@ def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
     of one step (more may be on their way); with nothing new, or every slot taken, calls are
     as long as the step's time allows. The three that arrive together are prefilled in one
     call (padded to 4 rows, in two length buckets' worth of prompts) and each gets the tokens
-    it gets alone. Its layers run scanned, as on an accelerator (the server above runs a CPU's
-    default, each layer on weights of its own)."""
+    it gets alone. A prompt whose prefill shape is new then runs on a larger compiled one while
+    its own compiles in the background, with the same tokens. Its layers run scanned, as on an
+    accelerator (the server above runs a CPU's default, each layer on weights of its own)."""
     from flax import nnx
 
     from minigpt.models import build_model
     from minigpt.serve.request import Request
 
     model = build_model(MODEL, rngs=nnx.Rngs(0))
-    engine = Engine(model, slots=4, log=lambda line: None, how="scanned")
+    lines = []
+    engine = Engine(model, slots=4, log=lines.append, how="scanned")
     assert engine.programs.layers is None and Engine(model).programs.how == "per layer"
     engine._fresh_state()
     engine._warm_up()
@@ -449,5 +451,17 @@ def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
     assert any(name.startswith("prefill 4 x 64") for name in engine.programs.compiled)
     while not all(r.finished for r in requests):
         engine._iteration()
+    # Alone, 40 tokens: one row of the 64 bucket, not compiled; 4 x 64 serves it meanwhile.
+    prompts.append(list(range(50, 90)))
+    budgets.append(8)
+    got.append([])
+    requests.append(Request(prompts[-1], 8, sink=lambda event: event[0] == "tokens"
+                            and got[-1].extend(event[1])))
+    engine.submit(requests[-1])
+    while not requests[-1].finished:
+        engine._iteration()
+    engine.programs.close()  # waits for the background compile
+    assert any(line.startswith("compiled prefill 1 x 64 in") and "in the background" in line
+               for line in lines), lines
     for prompt, n, tokens in zip(prompts, budgets, got):
         assert tokens == generate_tokens(model, [prompt], max_new_tokens=n, temperature=0)[0]

@@ -1,10 +1,11 @@
 """The server under load and in a browser (the slow set): `python -m minigpt.serve` serving a
 run directory laid out by `fsdp` on 2 simulated devices, as a user starts it.
 
-The load test: 64 concurrent streaming clients, one in ten hanging up midway, five rounds;
+The load test: 64 concurrent streaming clients, one in ten hanging up midway, eight rounds;
 every request that completes gives its prompt's greedy tokens (the ones `minigpt.generate`
 gives in this process), no slot is left held, the server's resident memory is flat from the
-second round on, and each round ends within its time bound. The browser test drives the chat
+second round on in every round that compiled no new prefill program, and each round ends within
+its time bound. The browser test drives the chat
 page in headless Chromium (Debian's package, through Playwright): a message typed gets a
 streamed reply, a second one is stopped midway and frees its slot, and a screenshot of the page
 is kept in the test's output folder. Ctrl-C then stops the server with exit status 0.
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -33,7 +35,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 # A model slow enough per step, and a context long enough, that a reply streams for seconds
 # and can be stopped midway.
 MODEL = small_vocab("llama-tiny", num_layers=4, context_len=384)
-CLIENTS, ROUNDS, NEW_TOKENS, SLOTS = 64, 5, 24, 16
+CLIENTS, ROUNDS, NEW_TOKENS, SLOTS = 64, 8, 24, 16
 PROMPTS = [list(range(100 + 7 * i, 100 + 7 * i + 1 + (i * 5) % 40)) for i in range(CLIENTS)]
 
 
@@ -77,12 +79,13 @@ def health(url):
     return httpx.get(f"{url}/health", timeout=10).json()
 
 
-def settled(url, seconds=3.0):
-    """/health once no slot is held and nothing waits (or after `seconds`)."""
+def settled(url, seconds=15.0):
+    """/health once no slot is held, nothing waits and no prefill compiles in the background
+    (or after `seconds`)."""
     began = time.monotonic()
     while time.monotonic() - began < seconds:
         state = health(url)
-        if state["slots_in_use"] == 0 and state["queue_length"] == 0:
+        if state["slots_in_use"] == 0 and state["queue_length"] == 0 and not state["compiling"]:
             break
         time.sleep(0.05)
     return state
@@ -117,10 +120,10 @@ async def one_round(url):
             *(one_client(client, url, i) for i in range(CLIENTS))), timeout=90)
 
 
-def test_64_streaming_clients_five_rounds_all_correct_no_slot_leaked_memory_flat(served,
-                                                                                expected):
+def test_64_streaming_clients_eight_rounds_all_correct_no_slot_leaked_memory_flat(served,
+                                                                                 expected):
     process, url, _ = served
-    rss, times = [], []
+    rss, times, programs = [], [], []
     for _ in range(ROUNDS):
         began = time.monotonic()
         results = asyncio.run(one_round(url))
@@ -133,17 +136,25 @@ def test_64_streaming_clients_five_rounds_all_correct_no_slot_leaked_memory_flat
         assert sum(completed for _, completed in results) == CLIENTS - len(range(0, CLIENTS, 10))
         state = settled(url)
         assert state["slots_in_use"] == 0 and state["queue_length"] == 0
+        assert state["compiling"] == []
         rss.append(psutil.Process(process.pid).memory_info().rss)
+        programs.append(len(state["compiled"]))
     print(f"rounds: {', '.join(f'{t:.1f} s' for t in times)}; server RSS after each: "
-          f"{', '.join(f'{r / 2**20:.0f} MiB' for r in rss)}")
+          f"{', '.join(f'{r / 2**20:.0f} MiB' for r in rss)}; programs: {programs}")
     assert max(times) < 60, times
-    # Flat from round 2: the allocator settles within a few rounds (499 -> 505 MiB over rounds
-    # 2-6, then flat over 12 rounds, 2026-11-27), so the rounds after it add little in all
-    # and nothing that grows with the requests served: a leak of 100 KB a request would add
-    # 6 MiB a round.
-    growth = [r >> 20 for r in rss]
-    assert rss[-1] - rss[1] < 32 << 20 and rss[-1] - rss[-2] < 4 << 20, growth
-    assert len(health(url)["compiled"]) <= 10  # the step and a few prefill buckets
+    assert programs[-1] <= 10  # the step and a few prefill buckets
+    # Flat from round 2 on, but for compiles. A prefill shape first met (how many prompts
+    # arrive together, how long) compiles in the background, about 13 MiB each here, and a
+    # round waits for those (`settled`); an arrival pattern first met in a late round may add
+    # one (2026-11-28: 6 programs after round 1 in one run, 5 until round 8 in another). In the
+    # rounds that compile nothing the allocator still steps now and then (+7 to +8 MiB in one
+    # such round of eight, before and after background compiles, 2026-11-28), while a leak
+    # grows every round: 100 KB a request would add 6 MiB to each. So the median round that
+    # compiled nothing adds under 2 MiB, and all of them under 16 MiB together.
+    quiet = [rss[i] - rss[i - 1] for i in range(2, ROUNDS) if programs[i] == programs[i - 1]]
+    assert len(quiet) >= 4, programs
+    assert statistics.median(quiet) < 2 << 20 and sum(quiet) < 16 << 20, (
+        [r >> 20 for r in rss], programs)
 
 
 def test_the_chat_page_streams_a_reply_and_stops_one_midway_in_chromium(served, tmp_path):

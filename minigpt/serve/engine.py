@@ -60,7 +60,8 @@ class Engine:
         self.length = length or model.config.context_len
         self.model, self.slots, self.context = model, slots, context
         self.log, self.post = log, post
-        self.programs = Programs(model, slots, self.length, smallest=smallest_bucket, how=how)
+        self.programs = Programs(model, slots, self.length, smallest=smallest_bucket, how=how,
+                                 context=context, log=log)
         self.owners: list[Request | None] = [None] * slots
         self.steps = self.tokens = 0
         self.step_seconds = 0.0  # a decode step's time, a moving average (0: not known yet)
@@ -98,13 +99,15 @@ class Engine:
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout=60)
+        self.programs.close()
 
     def health(self) -> dict[str, Any]:
         return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self.owners),
                 "queue_length": len(self._waiting) + self._inbox.qsize(),
                 "max_len": self.length, "steps": self.steps, "tokens_generated": self.tokens,
                 "step_ms": round(self.step_seconds * 1e3, 3),
-                "compiled": ["decode step", *self.programs.compiled]}
+                "compiled": ["decode step", *self.programs.compiled],
+                "compiling": self.programs.compiling}
 
     # --- the engine's thread --------------------------------------------------------------
 
@@ -133,7 +136,9 @@ class Engine:
         self._records.clear()
 
     def _warm_up(self) -> None:
-        """Compile the decode step and the smallest prefill before the first request."""
+        """Compile the decode step and the smallest prefills, of one prompt and of a prompt
+        for every slot (which serves any burst of short prompts while its own prefill
+        compiles), before the first request."""
         began = time.perf_counter()
         self._cache, self._slots, drawn = self.programs.step(self._cache, self._slots,
                                                              np.zeros(self.slots, bool), 0)
@@ -143,11 +148,14 @@ class Engine:
         self.log(f"compiled the decode step ({how}) for {self.slots} slots of {self.length} "
                  f"positions in {time.perf_counter() - began:.1f} s; prefill compiles once per "
                  f"prompt count ({', '.join(map(str, self.programs.batches))}) and length "
-                 f"({', '.join(map(str, self.programs.buckets))}), when first met")
-        self._prefill([(0, Request([0], 0, sink=lambda event: None))], quiet=True)
+                 f"({', '.join(map(str, self.programs.buckets))}), when first met (in the "
+                 f"background while a larger one serves)")
+        for count in sorted({1, self.slots}):
+            self._prefill([(slot, Request([0], 0, sink=lambda event: None))
+                           for slot in range(count)])
         self.step_seconds = 0.0  # the warm-up's time is mostly compiling
         self._records.clear()
-        self.owners[0] = None
+        self.owners = [None] * self.slots
 
     def _iteration(self) -> None:
         busy = self._records or self._waiting or any(o is not None for o in self.owners)
@@ -206,8 +214,7 @@ class Engine:
             self._prefill(group)
         return len(admitted)
 
-    def _prefill(self, group: list[tuple[int, Request]], *, quiet: bool = False) -> None:
-        known, began = len(self.programs.compiled), time.perf_counter()
+    def _prefill(self, group: list[tuple[int, Request]]) -> None:
         rows, requests = [s for s, _ in group], [r for _, r in group]
         self._cache, self._slots, drawn, prompt = self.programs.prefill(
             self._cache, self._slots, rows, [r.prompt for r in requests],
@@ -218,10 +225,6 @@ class Engine:
             self.owners[slot] = request
             request.dispatched = min(1, request.max_new)  # the prefill draws the first token
         self._records.append(("prefill", drawn, prompt, group))
-        if len(self.programs.compiled) > known and not quiet:
-            self.log(f"compiled {self.programs.compiled[-1]} in "
-                     f"{time.perf_counter() - began:.1f} s ({len(self.programs.compiled)} "
-                     f"prefill programs so far, at most {self.programs.most_prefills})")
 
     def _collect(self, *, keep: int) -> None:
         """Read the results of all dispatched programs but the newest `keep`, in order."""

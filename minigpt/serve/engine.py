@@ -99,7 +99,7 @@ class Engine:
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout=60)
-        self.programs.close()
+        self.programs.close(wait=False)
 
     def health(self) -> dict[str, Any]:
         return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self.owners),

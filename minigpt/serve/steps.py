@@ -271,9 +271,10 @@ class Programs:
                  f"{' in the background' if background else ''} ({len(self.compiled)} prefill "
                  f"programs so far, at most {self.most_prefills})")
 
-    def close(self) -> None:
-        """Let background compiles finish and stop their thread."""
-        self._compiler.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the background compiles' thread: after those queued finish (`wait`), or
+        dropping those not begun."""
+        self._compiler.shutdown(wait=wait, cancel_futures=not wait)
 
 
 def _name(shape: tuple[int, int, bool]) -> str:

@@ -61,16 +61,16 @@ def window_documents(window: np.ndarray, begin: int, end: int | None) -> dict[st
     A loader marks every batch, so this works on the few places documents start rather than on
     every token: one pass finds them, and the ids and positions are filled in runs from there
     (a running count or maximum over every token is several times slower in NumPy)."""
-    rows, n = window.shape
+    T = window.shape[1] - 1
     is_begin = window == begin  # [b, T + 1]
     starts = is_begin[:, :-1].copy()  # [b, T]: where an input's document starts
     starts[:, 0] = True
     first, lengths = _runs(starts)  # [K] each
     begins = is_begin[:, :-1].ravel()[first]  # [K]: which of the starts are begin tokens
     counted = np.cumsum(begins, dtype=np.int32)
-    row_first = np.flatnonzero(first % (n - 1) == 0)  # [b]: each row's first start
+    row_first = np.flatnonzero(first % T == 0)  # [b]: each row's first start
     before = (counted - begins)[row_first]  # [b]: begin tokens in the rows before
-    ids = np.repeat(1 + counted - before[first // (n - 1)], lengths).reshape(starts.shape)
+    ids = np.repeat(1 + counted - before[first // T], lengths).reshape(starts.shape)
     if end == begin:  # GPT-2's end token begins the next document: every target is trained
         mask = np.ones(starts.shape, np.int32)
     else:

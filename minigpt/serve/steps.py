@@ -210,24 +210,22 @@ class Programs:
         P = next(b for b in self.buckets if b >= max(map(len, prompts)))
         n = next(b for b in self.batches if b >= len(prompts))
         shape = (n, P, prompt_logprobs)
-        if shape not in self._prefills:
-            holds = [s for s in tuple(self._prefills)  # (a background compile may add one)
-                     if s[2] == prompt_logprobs and s[0] >= n and s[1] >= P]
-            if holds:
-                if shape not in self._compiling:
-                    args = self._prefill_args(cache, slots, rows, prompts, n, P, temperature,
-                                              top_p, keys, want)
-                    self._compiling.add(shape)
-                    self._compiler.submit(self._compile, shape, jax.tree.map(_abstract, args),
-                                          background=True)
-                shape = min(holds, key=lambda s: s[0] * s[1])
-            else:
+        holds = [] if shape in self._prefills else [
+            s for s in tuple(self._prefills)  # (a background compile may add one)
+            if s[2] == prompt_logprobs and s[0] >= n and s[1] >= P]
+        if holds:
+            if shape not in self._compiling:
                 args = self._prefill_args(cache, slots, rows, prompts, n, P, temperature,
                                           top_p, keys, want)
-                self._compile(shape, args, background=False)
-        n, P, _ = shape
-        return self._prefills[shape](*self._prefill_args(
-            cache, slots, rows, prompts, n, P, temperature, top_p, keys, want))
+                self._compiling.add(shape)
+                self._compiler.submit(self._compile, shape, jax.tree.map(_abstract, args),
+                                      background=True)
+            shape = min(holds, key=lambda s: s[0] * s[1])
+        args = self._prefill_args(cache, slots, rows, prompts, *shape[:2], temperature, top_p,
+                                  keys, want)
+        if shape not in self._prefills:  # no compiled prefill holds these prompts
+            self._compile(shape, args, background=False)
+        return self._prefills[shape](*args)
 
     def _prefill_args(self, cache, slots, rows, prompts, n, P, temperature, top_p, keys, want):
         """A prefill program's arguments: the prompts padded to n rows of P tokens (a padding

@@ -122,7 +122,7 @@ def _steps(model, last: jax.Array, cache, lengths: jax.Array, key: jax.Array,
         token = sample_logits(last, jax.random.fold_in(key, produced + i),
                               temperature=temperature, top_k=top_k, top_p=top_p)
         out = out.at[:, i].set(jnp.where(done, -1, token))
-        position = jnp.minimum(lengths + produced + i, cache[0].shape[2] - 1)
+        position = jnp.minimum(lengths + produced + i, cache[0].shape[-2] - 1)
         logits, cache = nnx.merge(graphdef, weights).decode(token[:, None], position[:, None],
                                                             cache)
         return i + 1, logits[:, 0], cache, out, weights

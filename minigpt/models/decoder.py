@@ -52,7 +52,7 @@ class BlockStack(nnx.Module):
     or `(x, kv, report)` where it has something to report (a mixture of experts: the router's
     penalties and counts, `minigpt.models.moe`), which the stack sums over its layers; layer i
     draws its dropout masks from every token's key folded with i. The stack owns the
-    layout of the key/value cache ([L, B, S, K, H] keys and values), so callers treat the
+    layout of the key/value cache ([L, B, K, S, H] keys and values), so callers treat the
     cache as opaque.
     """
 
@@ -138,9 +138,9 @@ class BlockStack(nnx.Module):
                 jax.tree.map(lambda *a: functools.reduce(jnp.add, a), *reports))
 
     def init_cache(self, shape: tuple[int, ...], dtype, *, per_layer: bool = False):
-        """Zeros for the keys and values of every layer: two arrays [L, B, S, K, H], or with
-        `per_layer` (for `unstacked` layers) a list of L pairs [B, S, K, H]."""
-        axes = ("layers", "batch", None, "kv_heads", "kv")
+        """Zeros for the keys and values of every layer: two arrays [L, B, K, S, H], or with
+        `per_layer` (for `unstacked` layers) a list of L pairs [B, K, S, H]."""
+        axes = ("layers", "batch", "kv_heads", None, "kv")
         if per_layer:
             return [tuple(constrain(jnp.zeros(shape, dtype), axes[1:]) for _ in range(2))
                     for _ in range(self.num_layers)]
@@ -361,7 +361,7 @@ class DecoderLM(nnx.Module):
         """An empty cache for `batch` rows of at most `length` positions (`per_layer`: one
         pair of arrays a layer, for `decode(layers=...)`)."""
         cfg = self.config
-        return self.blocks.init_cache((batch, length, cfg.kv_heads, cfg.head_dim), dtype,
+        return self.blocks.init_cache((batch, cfg.kv_heads, length, cfg.head_dim), dtype,
                                       per_layer=per_layer)
 
 

@@ -236,10 +236,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, freq: jax.Array) -> jax.Array
 
 
 def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Write new [B, T, K, H] into cache [B, S, K, H] at a per-row offset start [B]."""
+    """Write new [B, T, K, H] into cache [B, K, S, H] at a per-row offset start [B]."""
     def write_row(c, n, s):
-        return jax.lax.dynamic_update_slice(c, n, (s, 0, 0))
-    return jax.vmap(write_row)(cache, new, start)
+        return jax.lax.dynamic_update_slice(c, n, (0, s, 0))
+    return jax.vmap(write_row)(cache, new.swapaxes(1, 2), start)
 
 
 class Attention(nnx.Module):
@@ -309,9 +309,9 @@ class Attention(nnx.Module):
             # the query's (and within its window), which also hides stale entries beyond a
             # row's current length.
             positions = attn.positions
-            k_cache = write_cache(kv[0], k.astype(kv[0].dtype), positions[:, 0])  # [B, S, K, H]
+            k_cache = write_cache(kv[0], k.astype(kv[0].dtype), positions[:, 0])  # [B, K, S, H]
             v_cache = write_cache(kv[1], v.astype(kv[1].dtype), positions[:, 0])
-            key_pos = jnp.arange(k_cache.shape[1])
+            key_pos = jnp.arange(k_cache.shape[2])
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
             if attn.windowed:
                 mask = mask & within_window(positions, jnp.broadcast_to(

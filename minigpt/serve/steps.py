@@ -2,7 +2,7 @@
 length and count.
 
 The engine keeps a fixed number of decode slots. Their key/value cache is one pair of arrays
-[L, S, C, K, H] (layers, slots, positions, KV heads, head features), and what each slot decodes
+[L, S, K, C, H] (layers, slots, KV heads, positions, head features), and what each slot decodes
 next lives on the device beside it (`SlotState`: its last token, its position, its sampling
 settings and random key), so a step needs nothing from the host and its outputs feed the next
 step directly: the host reads one call's tokens while the next call runs. One compiled program
@@ -127,8 +127,8 @@ def prefill(graphdef, weights, layers, cache, slots: SlotState, rows, tokens, le
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, V]
     drawn = choose(last, temperature, top_p, key, jnp.zeros(n, jnp.int32), jnp.ones(n, bool),
                    want)
-    # [(L,) S, C, K, H]: the slots' axis is the fourth from the end, stacked or per layer
-    cache = jax.tree.map(lambda c, f: c.at[..., rows, :P, :, :].set(f.astype(c.dtype),
+    # [(L,) S, K, C, H]: the slots' axis is the fourth from the end, stacked or per layer
+    cache = jax.tree.map(lambda c, f: c.at[..., rows, :, :P, :].set(f.astype(c.dtype),
                                                                      mode="drop"),
                          cache, fresh)
 
@@ -189,7 +189,7 @@ class Programs:
         return (len(self.batches) + 1) * len(self.buckets)
 
     def empty(self):
-        """A fresh cache ([L, S, C, K, H] x 2, or per layer [S, C, K, H] x 2) and slot
+        """A fresh cache ([L, S, K, C, H] x 2, or per layer [S, K, C, H] x 2) and slot
         state."""
         return self._empty(), SlotState.empty(self.slots)
 

@@ -64,7 +64,10 @@ class Engine:
                                  context=context, log=log)
         self.owners: list[Request | None] = [None] * slots
         self.steps = self.tokens = 0
-        self.step_seconds = 0.0  # a decode step's time, a moving average (0: not known yet)
+        # The last calls' time a step (what a call takes, over its steps): a call's host work
+        # and a prefill run beside it only add to a step's time, so the fastest of these is
+        # the step's own (none: not known yet).
+        self._step_times: collections.deque[float] = collections.deque(maxlen=8)
         self._last_ready = 0.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -153,7 +156,7 @@ class Engine:
         for count in sorted({1, self.slots}):
             self._prefill([(slot, Request([0], 0, sink=lambda event: None))
                            for slot in range(count)])
-        self.step_seconds = 0.0  # the warm-up's time is mostly compiling
+        self._step_times.clear()  # the warm-up's time is mostly compiling
         self._records.clear()
         self.owners = [None] * self.slots
 
@@ -247,6 +250,11 @@ class Engine:
             else:
                 self._take(request, slot, *(a[j:j + 1] for a in drawn))
 
+    @property
+    def step_seconds(self) -> float:
+        """A decode step's time: the fastest of the last calls' (0.0: not known yet)."""
+        return min(self._step_times, default=0.0)
+
     def _steps_per_call(self) -> int:
         """Decode steps for the next call: as many as fit in TARGET_CALL_SECONDS (at least 1,
         at most the program's `most`), from the steps measured so far."""
@@ -259,7 +267,7 @@ class Engine:
         tokens = np.asarray(drawn[0])  # [most, S]: waits for the call
         ready = time.perf_counter()
         took = (ready - max(dispatched, self._last_ready)) / count
-        self.step_seconds = took if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * took
+        self._step_times.append(took)
         self._last_ready = ready
         live = [(s, r) for s, r in enumerate(owners)
                 if r is not None and not (r.finished or r.cancelled)]

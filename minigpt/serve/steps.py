@@ -156,7 +156,7 @@ class Programs:
     to use next."""
 
     def __init__(self, model: DecoderLM, slots: int, length: int, *, smallest: int = 32,
-                 how: str | None = None, most: int = 16,
+                 how: str | None = None, most: int = 64,
                  context: Callable[[], Any] = contextlib.nullcontext,
                  log: Callable[[str], None] = lambda line: None):
         self.how = how or default_how(model)

@@ -5,6 +5,8 @@ tokens are chosen and cached, which no vocabulary changes, and a small output la
 of the many full forward passes of the slow reference cheap."""
 
 import json
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +51,25 @@ def test_each_row_continues_its_own_prompt(model, greedy):
     alone = [generate_tokens(model, [p], max_new_tokens=24, temperature=0.0)[0]
              for p in PROMPTS[:2]]
     assert alone == greedy[:2]
+
+
+def test_a_decode_step_reads_the_cache_without_transposing_it(model):
+    """Laid out [B, S, K, H], the cache was transposed whole by XLA's CPU backend at every
+    layer of every step (two cache-sized transposes in this model's compiled step); kept [B,
+    K, S, H], the attention's products read it as it lies."""
+    cache = model.init_cache(4, 64)
+    graphdef, state = nnx.split(model)
+
+    def step(state, tokens, positions, cache):
+        return nnx.merge(graphdef, state).decode(tokens, positions, cache)
+
+    hlo = jax.jit(step).lower(state, jnp.zeros((4, 1), jnp.int32), jnp.full((4, 1), 5, jnp.int32),
+                              cache).compile().as_text()
+    size = math.prod(cache[0].shape[1:])  # one layer's keys
+    transposes = [line for line in hlo.splitlines()
+                  if (found := re.search(r"= \w+\[([\d,]*)\]\{[\d,]*\} transpose\(", line))
+                  and math.prod(map(int, found.group(1).split(","))) == size]
+    assert not transposes, transposes[:2]
 
 
 def test_cached_logits_match_the_full_forward_pass(model):

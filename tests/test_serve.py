@@ -432,6 +432,14 @@ def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
     assert engine.programs.layers is None and Engine(model).programs.how == "per layer"
     engine._fresh_state()
     engine._warm_up()
+    # A call's steps fill about 0.1 s at the fastest step of the last calls (a call with a
+    # prefill beside it only looks slower), up to the program's most.
+    assert engine._steps_per_call() == 1  # not known yet
+    engine._step_times.extend([0.08, 0.02])
+    assert engine._steps_per_call() == 5
+    engine._step_times.append(0.0013)
+    assert engine._steps_per_call() == engine.programs.most == 64
+    engine._step_times.clear()
     engine._steps_per_call = lambda: 16  # what a fast step gets (its timing is not the point)
     prompts = [[5, 6, 7], [9], list(range(3, 43)), [11, 12, 13, 14, 15, 16, 17, 18, 19]]
     budgets = [60, 20, 20, 20]  # the first outlasts the calls counted below

@@ -1,9 +1,12 @@
 """Telling stories and chatting: the Python API and `python -m minigpt.generate`.
 
-The prompt is run once (prefill) to fill each layer's key/value cache; after that every new
-token costs one position of compute. The compiled decode loop is `minigpt.models.sampling`;
-this module runs it window by window, stops at the tokenizer's stop tokens, and turns tokens
-into text (a chat through the model's own chat template, `chat`).
+The prompts go to the decoding engine (`minigpt.decoding`), which every door shares: the
+prompt is run once (prefill) to fill each layer's key/value cache, after which every new token
+costs one position of compute; the engine draws the tokens, and its text stream turns them into
+text (a chat through the model's own chat template, `chat`). For the same prompt and settings,
+`generate_tokens(..., rng=jax.random.key(S))`, `python -m minigpt.generate --seed S` and the
+server's `"seed": S` give the same tokens, whatever else is decoded beside them: a prompt's
+k-th batch row draws with `fold_in(rng, k)` (the first with `rng` itself).
 
 Length rule: the model sees at most its context. A prompt of more than context - 1 tokens is
 refused. A story may grow past the context: when a row's tokens fill it, that row goes on from
@@ -16,7 +19,6 @@ is itself full, so a row's story does not depend on the other rows of its batch,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -27,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from minigpt import CallableModule, chat_template, sharding
+from minigpt.decoding import Settings, TextStream, decode_all, key_data
 from minigpt.errors import UserError, exit_code
 from minigpt.models import DecoderLM
-from minigpt.models.sampling import decode, stream_tokens, to_host
 from minigpt.runs import RunDir, load_run, with_recorded_template
 from minigpt.runtime import (
     plain_warnings,
@@ -56,18 +58,20 @@ def window_keep(context: int) -> int:
 
 
 def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int,
-                   top_p: float) -> None:
+                   top_p: float, min_p: float = 0.0) -> None:
     """Refuse sampling settings that mean nothing (GenerationError): they are finite and in
     range before anything is loaded or compiled."""
     if not (math.isfinite(temperature) and temperature >= 0 and top_k >= 0
-            and 0.0 < top_p <= 1.0 and max_new_tokens >= 1):
-        raise GenerationError(f"need a finite temperature >= 0, top_k >= 0, 0 < top_p <= 1 and "
-                              f"max_new_tokens >= 1 (got temperature {temperature}, top_k "
-                              f"{top_k}, top_p {top_p}, max_new_tokens {max_new_tokens})")
+            and 0.0 < top_p <= 1.0 and 0.0 <= min_p <= 1.0 and max_new_tokens >= 1):
+        raise GenerationError(f"need a finite temperature >= 0, top_k >= 0, 0 < top_p <= 1, "
+                              f"0 <= min_p <= 1 and max_new_tokens >= 1 (got temperature "
+                              f"{temperature}, top_k {top_k}, top_p {top_p}, min_p {min_p}, "
+                              f"max_new_tokens {max_new_tokens})")
 
 
 def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens: int,
-                  temperature: float, top_k: int, top_p: float, has_rng: bool) -> None:
+                  temperature: float, top_k: int, top_p: float, has_rng: bool,
+                  min_p: float = 0.0) -> None:
     """Refuse what the model cannot serve (GenerationError).
 
     Callers that show the prompt before its continuation check first, so that a refused
@@ -81,99 +85,78 @@ def check_request(context: int, prompt_lengths: Sequence[int], *, max_new_tokens
             f"the prompt has {longest} tokens but the model's context is {context}: shorten it "
             f"to at most {context - 1} tokens to leave room for a new one")
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p)
+                   top_p=top_p, min_p=min_p)
     if temperature > 0 and not has_rng:
         raise GenerationError("sampling with temperature > 0 needs an rng key (or a --seed)")
 
 
+def row_keys(rng: jax.Array | Sequence[jax.Array] | None, rows: int) -> list[tuple[int, int]]:
+    """Each batch row's key as threefry's two words: `rng` for the first row and
+    fold_in(rng, k) for row k (or, for a list, one key per row)."""
+    if rng is None:
+        return [(0, 0)] * rows
+    if isinstance(rng, list | tuple):
+        if len(rng) != rows:
+            raise GenerationError(f"{len(rng)} keys for {rows} prompts: give one key, or one "
+                                  f"per prompt")
+        return [tuple(int(w) for w in key_data(k)) for k in rng]
+    first = tuple(int(w) for w in key_data(rng))
+    if rows == 1:
+        return [first]
+    others = jax.vmap(lambda k: jax.random.fold_in(rng, k))(jnp.arange(1, rows))
+    return [first, *(tuple(int(w) for w in key_data(k)) for k in others)]
+
+
 def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
                     max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
-                    top_p: float = 1.0, rng: jax.Array | None = None, eot_id: int | None = None,
-                    stop_ids: Sequence[int] = (),
+                    top_p: float = 1.0, min_p: float = 0.0,
+                    rng: jax.Array | Sequence[jax.Array] | None = None,
+                    eot_id: int | None = None, stop_ids: Sequence[int] = (),
                     on_token: Callable[[np.ndarray], None] | None = None) -> list[list[int]]:
     """New token ids for each prompt, stopping at any of `stop_ids` (or `eot_id`; the stop
-    token not included) or after `max_new_tokens`.
+    token not included) or after `max_new_tokens`; `rng` is one key (row k draws with
+    fold_in(rng, k), the first row with rng itself) or one key per prompt.
 
-    `on_token`, if given, receives each step's tokens [B] as they are drawn (for streaming).
-    Past the context, rows go on in windows (the module docstring's length rule): one compiled
-    loop per window, the first sized to the request, the later ones compiled once.
+    `on_token`, if given, receives a single prompt's tokens as they are drawn, each as an
+    array [1] (for streaming). Past the context, rows go on in windows (the module
+    docstring's length rule).
     """
     context = model.config.context_len
     temperature = 0.0 if 0 <= temperature < GREEDY_BELOW else temperature
     check_request(context, [len(p) for p in prompts], max_new_tokens=max_new_tokens,
-                  temperature=temperature, top_k=top_k, top_p=top_p, has_rng=rng is not None)
+                  temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                  has_rng=rng is not None)
+    if on_token is not None and len(prompts) != 1:
+        raise GenerationError("streaming works with a single prompt")
     stops = tuple(stop_ids) or (() if eot_id is None else (eot_id,))
     top_k = 0 if top_k >= model.config.vocab_size else top_k  # all of them: no cut to make
-    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                    stop_ids=stops, stream=on_token is not None)
-    rng = jax.random.key(0) if rng is None else rng
-    windows = [list(p) for p in prompts]  # what each row's model sees now
-    new = [[] for _ in prompts]
-    done, produced = np.zeros(len(prompts), bool), 0
-    with stream_tokens.to(on_token) if on_token else contextlib.nullcontext():
-        while produced < max_new_tokens and not done.all():
-            longest = max(len(w) for w in windows)
-            count = min(max_new_tokens - produced, context - longest)
-            # Round the padded prompt length up so prompts of similar length share one
-            # compilation. The first window's loop is sized to the request, later ones to the
-            # context, so they compile once; rows that stopped keep their place.
-            padded = min(-(-longest // 16) * 16, context)
-            first = produced == 0
-            tokens = np.zeros((len(prompts), padded), np.int32)
-            for row, window in enumerate(windows):
-                tokens[row, :len(window)] = window
-            out = decode(model, jnp.asarray(tokens),
-                         jnp.asarray([len(w) for w in windows], np.int32), rng,
-                         jnp.int32(count), jnp.int32(produced), jnp.asarray(done),
-                         max_new=count if first else context,
-                         cache_len=min(context, padded + count) if first else context,
-                         **sampling)
-            for row, drawn in enumerate(to_host(out)[:, :count].tolist()):
-                if done[row]:
-                    continue
-                stop = next((i for i, t in enumerate(drawn) if t in stops), None)
-                if stop is not None:
-                    drawn, done[row] = drawn[:stop], True
-                new[row] += drawn
-                windows[row] += drawn
-                if len(windows[row]) >= context:
-                    windows[row] = (list(prompts[row]) + new[row])[-window_keep(context):]
-            produced += count
-    return new
+    settings = [Settings(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                         min_p=float(min_p), key=key) for key in row_keys(rng, len(prompts))]
+    shown = None if on_token is None else (
+        lambda i, ids: [on_token(np.asarray([t], np.int32)) for t in ids])
+    decoded = decode_all(model, prompts, max_new=max_new_tokens, settings=settings,
+                         stop_ids=stops, slide=window_keep(context), on_tokens=shown)
+    return [d.tokens for d in decoded]
 
 
-class _TextStream:
-    """Turns tokens arriving one by one into text for `on_text`: the whole continuation is
-    decoded again each time and only what is new is passed on, since a token alone may be part
-    of a character (byte-level BPE) or lose its leading space (SentencePiece's `▁`)."""
+def _streamed(tokenizer, prompt: list[int], on_text: Callable[[str], None] | None):
+    """A text stream for one continuation of `prompt` and the token callback that feeds it."""
+    if on_text is None:
+        return None, None
+    stream = TextStream(tokenizer, context=prompt)
 
-    def __init__(self, tokenizer, prompt: list[int], on_text: Callable[[str], None]):
-        self.tokenizer, self.ids, self.on_text = tokenizer, list(prompt), on_text
-        self.shown = len(tokenizer.decode(self.ids, skip_special_tokens=True))
+    def on_token(tokens: np.ndarray) -> None:
+        text = stream.add([int(t) for t in tokens])
+        if text:
+            on_text(text)
 
-    def __call__(self, tokens: np.ndarray) -> None:
-        if int(tokens[0]) in self.tokenizer.stop_tokens:
-            return
-        self.ids.append(int(tokens[0]))
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if len(text) > self.shown and not text.endswith("\ufffd"):  # wait for a whole char
-            self.on_text(text[self.shown:])
-            self.shown = len(text)
-
-    def finish(self) -> None:
-        """Pass on what was held back: a continuation may end inside a character (cut off by
-        max_new_tokens, or a byte the model never completes), and the streamed text must be the
-        returned one."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if len(text) > self.shown:
-            self.on_text(text[self.shown:])
-            self.shown = len(text)
+    return stream, on_token
 
 
 def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tokens: int = 200,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             rng: jax.Array | None = None, on_text: Callable[[str], None] | None = None
-             ) -> list[str]:
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             rng: jax.Array | Sequence[jax.Array] | None = None,
+             on_text: Callable[[str], None] | None = None) -> list[str]:
     """Continue each prompt (encoded as the model's tokenizer encodes a prompt: its begin token
     too, where it has one) until one of the tokenizer's stop tokens or `max_new_tokens`;
     returns prompt + continuation texts, special tokens left out.
@@ -183,18 +166,18 @@ def generate(model: DecoderLM, tokenizer, prompts: Sequence[str], *, max_new_tok
     if on_text is not None and len(prompts) != 1:
         raise GenerationError("streaming works with a single prompt")
     encoded = [tokenizer.encode_prompt(p) for p in prompts]
-    on_token = None if on_text is None else _TextStream(tokenizer, encoded[0], on_text)
+    stream, on_token = _streamed(tokenizer, encoded[0] if encoded else [], on_text)
     new = generate_tokens(model, encoded, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
-                          stop_ids=tokenizer.stop_tokens, on_token=on_token)
-    if on_token is not None:
-        on_token.finish()
+                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          rng=rng, stop_ids=tokenizer.stop_tokens, on_token=on_token)
+    if stream is not None and (rest := stream.finish()):
+        on_text(rest)
     return [tokenizer.decode(p + n, skip_special_tokens=True) for p, n in zip(encoded, new)]
 
 
 def chat(model: DecoderLM, tokenizer, messages: Sequence[dict[str, str]], *,
          max_new_tokens: int = 200, temperature: float = 0.0, top_k: int = 0,
-         top_p: float = 1.0, rng: jax.Array | None = None,
+         top_p: float = 1.0, min_p: float = 0.0, rng: jax.Array | None = None,
          on_text: Callable[[str], None] | None = None) -> str:
     """The model's reply to a conversation: `messages` ({"role": "system" | "user" |
     "assistant", "content": ...}) rendered by its chat template as transformers'
@@ -202,12 +185,12 @@ def chat(model: DecoderLM, tokenizer, messages: Sequence[dict[str, str]], *,
     end-of-turn token; only the reply is returned (and streamed to `on_text`)."""
     prompt = tokenizer.encode_ordinary(tokenizer.render_chat(
         list(messages), max_chars=model.config.context_len * chat_template.CHARS_PER_TOKEN))
-    on_token = None if on_text is None else _TextStream(tokenizer, [], on_text)
+    stream, on_token = _streamed(tokenizer, [], on_text)
     new = generate_tokens(model, [prompt], max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_k=top_k, top_p=top_p, rng=rng,
-                          stop_ids=tokenizer.stop_tokens, on_token=on_token)[0]
-    if on_token is not None:
-        on_token.finish()
+                          temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          rng=rng, stop_ids=tokenizer.stop_tokens, on_token=on_token)[0]
+    if stream is not None and (rest := stream.finish()):
+        on_text(rest)
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -266,7 +249,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0,
                    help="sample among the k likeliest (0, or the vocabulary size or more: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="in [0, 2^32)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="leave out tokens less likely than min-p times the likeliest, in [0, 1]")
+    p.add_argument("--seed", type=int, default=0,
+                   help="in [0, 2^32); sample i draws with seed + i, as the server's n choices")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--preset", default="dp", help="how to lay the model out on the devices")
     p.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
@@ -290,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _tell(args: argparse.Namespace) -> None:
     check_sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p)
+                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     if not 0 <= args.seed < 2**32 or args.num_samples < 1:
         raise GenerationError(f"need 0 <= --seed < 2^32 and --num-samples >= 1 (got "
                               f"{args.seed} and {args.num_samples})")
@@ -306,21 +292,21 @@ def _tell(args: argparse.Namespace) -> None:
               if args.chat is not None else tokenizer.encode_prompt(args.prompt))
     check_request(cfg.context_len, [len(prompt)], max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  has_rng=True)
+                  min_p=args.min_p, has_rng=True)
     loaded = load_run(args.run, args.preset)
     model, tokenizer, step = loaded.model, loaded.tokenizer, loaded.step
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p)
+                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    keys = [jax.random.key(args.seed + i) for i in range(args.num_samples)]
     stream = args.num_samples == 1
     show = (lambda text: print(text, end="", flush=True)) if stream else None
     with loaded.layout.active():
         if stream and not args.chat:
             print(args.prompt, end="", flush=True)
-        texts = [chat(model, tokenizer, messages, rng=jax.random.fold_in(
-                     jax.random.key(args.seed), i), on_text=show, **sampling)
-                 for i in range(args.num_samples)] if args.chat else generate(
-            model, tokenizer, [args.prompt] * args.num_samples, rng=jax.random.key(args.seed),
-            on_text=show, **sampling)
+        texts = [chat(model, tokenizer, messages, rng=key, on_text=show, **sampling)
+                 for key in keys] if args.chat else generate(
+            model, tokenizer, [args.prompt] * args.num_samples, rng=keys, on_text=show,
+            **sampling)
     if stream:
         print()
     else:

@@ -16,6 +16,8 @@ from conftest import small_vocab
 from flax import nnx
 
 from minigpt import sharding
+from minigpt.decoding.programs import in_compute_dtypes
+from minigpt.decoding.sampler import Sampling, choose, kth_largest, seed_key
 from minigpt.generate import (
     GenerationError,
     generate_recompute,
@@ -24,7 +26,6 @@ from minigpt.generate import (
     window_keep,
 )
 from minigpt.models import build_model
-from minigpt.models.sampling import sample_logits
 
 TINY = small_vocab("minigpt-tiny")
 PROMPTS = [[464, 3797, 3332], list(range(100, 137)), [7], list(range(2000, 2017))]
@@ -107,23 +108,33 @@ def test_same_seed_same_text_different_seed_different_text(model):
     assert draw(1) != draw(2)
 
 
+def draw(logits, seed, *, temperature, top_k=0, top_p=1.0, min_p=0.0, count=0):
+    """The sampler's tokens for logits [S, V], every row with these settings and its own key."""
+    S = logits.shape[0]
+    rows = Sampling(temperature=np.full(S, temperature, np.float32),
+                    top_k=np.full(S, top_k, np.int32), top_p=np.full(S, top_p, np.float32),
+                    min_p=np.full(S, min_p, np.float32),
+                    key=np.stack([seed_key(seed + row) for row in range(S)]))
+    return np.asarray(jax.jit(choose)(jnp.asarray(logits, jnp.float32), rows,
+                                      np.full(S, count, np.int32), np.ones(S, bool),
+                                      np.int32(0))[0])
+
+
 def test_top_k_never_samples_outside_the_k_likeliest():
-    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 100)), jnp.float32)
-    allowed = np.argsort(-np.asarray(logits), axis=-1)[:, :5]
+    logits = np.random.default_rng(0).normal(size=(4, 100))
+    allowed = np.argsort(-logits, axis=-1)[:, :5]
     for i in range(50):
-        tokens = np.asarray(sample_logits(logits, jax.random.key(i), temperature=2.0, top_k=5,
-                                          top_p=1.0))
+        tokens = draw(logits, i, temperature=2.0, top_k=5)
         for row in range(4):
             assert tokens[row] in allowed[row]
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
-    probs = jnp.log(jnp.asarray([[0.05, 0.5, 0.15, 0.3]]))
+    probs = np.log([[0.05, 0.5, 0.15, 0.3]])
     seen = {p: set() for p in (0.5, 0.7, 0.9, 1.0)}
     for i in range(200):
         for p in seen:
-            seen[p].add(int(sample_logits(probs, jax.random.key(i), temperature=1.0, top_k=0,
-                                          top_p=p)[0]))
+            seen[p].add(int(draw(probs, i, temperature=1.0, top_p=p)[0]))
     assert seen[0.5] == {1}
     assert seen[0.7] == {1, 3}
     assert seen[0.9] == {1, 3, 2}
@@ -131,8 +142,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 
 def test_greedy_is_temperature_zero():
-    logits = jnp.asarray([[0.1, 3.0, 2.9]])
-    assert int(sample_logits(logits, None, temperature=0.0, top_k=0, top_p=1.0)[0]) == 1
+    assert int(draw(np.asarray([[0.1, 3.0, 2.9]]), 0, temperature=0.0)[0]) == 1
 
 
 def test_generation_stops_at_end_of_text(model, greedy):
@@ -200,9 +210,7 @@ def test_cli_refuses_a_run_trained_with_another_vocabulary(tmp_path, capsys):
     assert "32000" in err and "50257" in err
 
 
-def test_the_bisected_kth_largest_is_top_ks_and_draws_the_same_tokens():
-    from minigpt.models.sampling import kth_largest
-
+def test_the_bisected_kth_largest_is_top_ks():
     rng = np.random.default_rng(0)
     rows = [rng.normal(size=(4, 4096)) * 3,
             np.round(rng.normal(size=(4, 4096)) * 2) / 2,  # many ties
@@ -210,17 +218,15 @@ def test_the_bisected_kth_largest_is_top_ks_and_draws_the_same_tokens():
             np.array([[1.0, 1.0, -0.0, 0.0, -2.5, 3.0e38, -3.0e38, 1e-40]]),  # signs, extremes
             np.zeros((2, 64))]
     for x in map(lambda r: jnp.asarray(r, jnp.float32), rows):
-        for k in sorted({k for k in (1, 2, 5, 50) if k < x.shape[1]} | {x.shape[1] - 1,
-                                                                         x.shape[1]}):
+        ks = sorted({k for k in (1, 2, 5, 50) if k < x.shape[1]} | {x.shape[1] - 1, x.shape[1]})
+        for k in ks:
             want = np.asarray(jax.lax.top_k(x, k)[0][:, -1])
             np.testing.assert_array_equal(np.asarray(kth_largest(x, k)), want, err_msg=str(k))
-    logits = jnp.asarray(rows[1], jnp.float32)
-    for i in range(10):
-        key = jax.random.key(i)
+        per_row = np.resize(ks, x.shape[0])  # a k of its own for each row
         np.testing.assert_array_equal(
-            np.asarray(sample_logits(logits, key, temperature=0.7, top_k=20, top_p=0.9,
-                                     bisect_top_k=True)),
-            np.asarray(sample_logits(logits, key, temperature=0.7, top_k=20, top_p=0.9)))
+            np.asarray(kth_largest(x, jnp.asarray(per_row))),
+            [np.asarray(jax.lax.top_k(x[r:r + 1], int(k))[0][0, -1]) for r, k in
+             enumerate(per_row)])
 
 
 def test_decoding_casts_the_weights_once_to_what_each_layer_computes_in():
@@ -228,7 +234,6 @@ def test_decoding_casts_the_weights_once_to_what_each_layer_computes_in():
     # (the router of a mixture stays in float32, as it computes), norms untouched; a model made
     # of them computes the same logits, bit for bit.
     from minigpt.models.layers import Dense, Embedding
-    from minigpt.models.sampling import in_compute_dtypes
 
     for name in ("minigpt-tiny", "moe-tiny"):
         model = build_model(small_vocab(name, dtype="bfloat16"), rngs=nnx.Rngs(0))

@@ -19,7 +19,6 @@ import unicodedata
 from pathlib import Path
 
 import jinja2
-import numpy as np
 import pytest
 from tokenizer_texts import TORTURE, texts, training_stories
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, processors, trainers
@@ -369,17 +368,17 @@ def test_without_a_template_chat_is_refused_in_one_line(made, tmp_path):
 
 
 def test_streamed_text_is_the_returned_text_even_inside_a_character(made, tmp_path):
-    from minigpt.generate import _TextStream
+    from minigpt.decoding import TextStream
 
     ours = HFTokenizer(folder_of(tmp_path, made.setdefault("smollm2", smollm2())))
     ids = ours.encode_ordinary("a café")
     cut = ids[:-1] if ours.decode(ids[:-1]).endswith("\ufffd") else [
         *ids, *ours.encode_ordinary("🙂")[:1]]  # ends inside a character
     shown = []
-    stream = _TextStream(ours, [], shown.append)
+    stream = TextStream(ours)
     for token in cut:
-        stream(np.array([token]))
-    stream.finish()
+        shown.append(stream.add([token]))
+    shown.append(stream.finish())
     assert "".join(shown) == ours.decode(cut, skip_special_tokens=True)
     assert "".join(shown).endswith("\ufffd")
 

@@ -24,9 +24,9 @@ openai = pytest.importorskip("openai", reason="the openai client is the server's
 httpx = pytest.importorskip("httpx", reason="comes with the openai client")
 
 from minigpt import chat_template  # noqa: E402
+from minigpt.decoding import TextStream  # noqa: E402
 from minigpt.generate import chat, generate_tokens  # noqa: E402
 from minigpt.serve import Engine, ServeError, Server, Service  # noqa: E402
-from minigpt.serve.text import TextStream  # noqa: E402
 from minigpt.tokenizer import load_tokenizer  # noqa: E402
 
 MODEL = small_vocab("llama-tiny")  # context 128
@@ -62,13 +62,12 @@ def server():
 
     from minigpt.models import build_model
 
-    engine = Engine(build_model(MODEL, rngs=nnx.Rngs(0)), slots=SLOTS, log=lambda line: None)
-    engine.start()
+    engine = Engine(build_model(MODEL, rngs=nnx.Rngs(0)), slots=SLOTS, log=lambda line: None,
+                    call_seconds=0.1, background=True)
     service = Service(engine=engine, tokenizer=load_tokenizer(MODEL.tokenizer), name="tiny",
                       context=MODEL.context_len, vocab_size=MODEL.vocab_size, max_batch=SLOTS)
-    running = Server(service, "127.0.0.1", 0).start()
-    yield running
-    running.stop()
+    with service, Server(service, "127.0.0.1", 0) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -286,23 +285,25 @@ def test_the_server_stays_up_for_others_after_bad_requests(server, client):
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["slots"] == SLOTS
     assert health["slots_in_use"] == 0 and health["queue_length"] == 0
-    # The decode step and a few prefills (by prompt count and length), each compiled once.
+    # A decode program per row count (1, 4, 16) and a few prefills (by prompt count and
+    # length), each compiled once.
     compiled = health["compiled"]
-    assert compiled[0] == "decode step" and len(set(compiled)) == len(compiled) <= 8
+    assert {"decode 1 row", "decode 16 rows"} <= set(compiled[:2] + compiled[2:])
+    assert len(set(compiled)) == len(compiled) <= 12, compiled
 
 
 def test_a_failed_step_ends_its_requests_with_an_error_and_the_server_goes_on(server, client,
                                                                           monkeypatch):
     engine = server.service.engine
-    step, failures = engine.programs.step, []
+    run, failures = engine.programs.run, []
 
-    def fails_once(*args):
-        if not failures:
+    def fails_once(name, args):
+        if name[0] == "decode" and not failures:
             failures.append(1)
             raise RuntimeError("the device went away")
-        return step(*args)
+        return run(name, args)
 
-    monkeypatch.setattr(engine.programs, "step", fails_once)
+    monkeypatch.setattr(engine.programs, "run", fails_once)
     with pytest.raises(openai.InternalServerError, match="the device went away"):
         client.completions.create(model="tiny", prompt="Hi", max_tokens=4)
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).usage
@@ -380,15 +381,15 @@ def test_the_text_stream_waits_for_whole_characters(burst):
     assert "".join(pieces) + stream.finish() == "a café 🐈 here"
 
 
-@pytest.mark.parametrize("scale", [8.0, 0.5])  # peaked: found among the 64 likeliest; flat: not
+@pytest.mark.parametrize("scale", [8.0, 0.5])  # a peaked distribution and a flat one
 def test_the_nucleus_is_the_smallest_set_of_likeliest_tokens_reaching_top_p(scale):
     import jax
 
-    from minigpt.serve.draw import nucleus
+    from minigpt.decoding.sampler import nucleus_floor
 
     logits = np.asarray(jax.random.normal(jax.random.key(3), (3, 4096))) * scale
     top_p = np.asarray([0.3, 0.9, 0.99], np.float32)
-    kept = np.isfinite(np.asarray(nucleus(logits, top_p)))
+    kept = logits >= np.asarray(nucleus_floor(logits, top_p))[:, None]
     for row, p in enumerate(top_p):
         order = np.argsort(-logits[row])
         probs = np.exp(logits[row][order] - logits[row].max())
@@ -401,7 +402,7 @@ def test_the_inverse_cdf_draw_lands_in_proportion_to_the_probabilities():
     import jax
     import jax.numpy as jnp
 
-    from minigpt.serve.draw import inverse_cdf
+    from minigpt.decoding.sampler import inverse_cdf
 
     probs = np.zeros(700, np.float32)
     probs[[3, 300, 699]] = [0.1, 0.3, 0.6]  # in different blocks, the last one at the end
@@ -413,49 +414,59 @@ def test_the_inverse_cdf_draw_lands_in_proportion_to_the_probabilities():
     np.testing.assert_allclose(counts, [0.1, 0.3, 0.6], atol=0.002)
 
 
-def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
+def test_calls_are_sized_to_the_work_and_each_request_gets_its_solo_tokens():
     """Driven by hand, without its thread: a request admitted while slots stay free gets a call
-    of one step (more may be on their way); with nothing new, or every slot taken, calls are
-    as long as the step's time allows. The three that arrive together are prefilled in one
-    call (padded to 4 rows, in two length buckets' worth of prompts) and each gets the tokens
-    it gets alone. A prompt whose prefill shape is new then runs on a larger compiled one while
-    its own compiles in the background, with the same tokens. Its layers run scanned, as on an
-    accelerator (the server above runs a CPU's default, each layer on weights of its own)."""
+    of one step (more may be on their way), then calls as long as the step's time allows, on
+    the decode program of one row while it is alone. The three that arrive together are
+    prefilled in one call (padded to 4 rows, in two length buckets' worth of prompts), run on
+    the program of 4 rows, and a call is not cut short for the request nearest its limit:
+    each stops on the device where it ends and gets the tokens it gets alone. A prompt whose
+    prefill shape is new then runs on a larger compiled one while its own compiles in the
+    background, with the same tokens. Its layers run scanned, as on an accelerator (the server
+    above runs a CPU's default, each layer on weights of its own)."""
     from flax import nnx
 
+    from minigpt.decoding import Request, Tokens
     from minigpt.models import build_model
-    from minigpt.serve.request import Request
 
     model = build_model(MODEL, rngs=nnx.Rngs(0))
     lines = []
-    engine = Engine(model, slots=4, log=lines.append, how="scanned")
+    engine = Engine(model, slots=4, log=lines.append, how="scanned", call_seconds=0.1,
+                    background=True)
     assert engine.programs.layers is None and Engine(model).programs.how == "per layer"
     engine._fresh_state()
     engine._warm_up()
-    # A call's steps fill about 0.1 s at the fastest step of the last calls (a call with a
-    # prefill beside it only looks slower), up to the program's most.
-    assert engine._steps_per_call() == 1  # not known yet
-    engine._step_times.extend([0.08, 0.02])
-    assert engine._steps_per_call() == 5
-    engine._step_times.append(0.0013)
-    assert engine._steps_per_call() == engine.programs.most == 64
+    assert {"decode 1 row", "decode 4 rows", "prefill 1 x 32", "prefill 4 x 32"} == set(
+        engine.programs.compiled)
+    # A call's steps fill about 0.1 s at the fastest step of its program's last calls (a call
+    # with a prefill beside it only looks slower), up to the program's most.
+    assert engine._steps_per_call(4) == 1  # not known yet
+    engine._step_times[4].extend([0.08, 0.02])
+    assert engine._steps_per_call(4) == 5 and engine._steps_per_call(1) == 1
+    engine._step_times[4].append(0.0013)
+    assert engine._steps_per_call(4) == engine.programs.most == 64
     engine._step_times.clear()
-    engine._steps_per_call = lambda: 16  # what a fast step gets (its timing is not the point)
+    engine._steps_per_call = lambda rows: 16  # what a fast step gets (its timing is not the point)
     prompts = [[5, 6, 7], [9], list(range(3, 43)), [11, 12, 13, 14, 15, 16, 17, 18, 19]]
-    budgets = [60, 20, 20, 20]  # the first outlasts the calls counted below
+    budgets = [60, 5, 20, 20]  # the second ends a few steps into its first call
     got = [[] for _ in prompts]
-    requests = [Request(p, n, sink=lambda event, out=out: event[0] == "tokens"
-                        and out.extend(event[1])) for p, n, out in zip(prompts, budgets, got)]
+
+    def request(prompt, budget, out):
+        return Request(prompt, budget, sink=lambda event: isinstance(event, Tokens)
+                       and out.extend(event.ids))
+
+    requests = [request(p, n, out) for p, n, out in zip(prompts, budgets, got)]
 
     def calls():
         engine._iteration()
-        return engine._records[-1][3]  # the steps of the call just dispatched
+        record = engine._records[-1]  # the call just dispatched
+        return record.rows, record.asked
 
     engine.submit(requests[0])
-    assert calls() == 1  # three slots free: the rest of a burst may be arriving
-    assert calls() == 16
+    assert calls() == (1, 1)  # three slots free: the rest of a burst may be arriving
+    assert calls() == (1, 16)
     engine.submit(*requests[1:])
-    assert calls() == 16  # every slot taken: nobody else can join
+    assert calls() == (4, 16)  # every slot taken: nobody else can join
     assert any(name.startswith("prefill 4 x 64") for name in engine.programs.compiled)
     while not all(r.finished for r in requests):
         engine._iteration()
@@ -463,12 +474,11 @@ def test_a_call_is_one_step_while_a_burst_of_requests_is_still_arriving():
     prompts.append(list(range(50, 90)))
     budgets.append(8)
     got.append([])
-    requests.append(Request(prompts[-1], 8, sink=lambda event: event[0] == "tokens"
-                            and got[-1].extend(event[1])))
+    requests.append(request(prompts[-1], 8, got[-1]))
     engine.submit(requests[-1])
     while not requests[-1].finished:
         engine._iteration()
-    engine.programs.close()  # waits for the background compile
+    engine._compiler.shutdown(wait=True)  # waits for the background compile
     assert any(line.startswith("compiled prefill 1 x 64 in") and "in the background" in line
                for line in lines), lines
     for prompt, n, tokens in zip(prompts, budgets, got):

@@ -6,8 +6,8 @@
 command line work in a process that imported it; `--text FILE...` gives the loss and bits per
 byte of any text. The modules: `loading` (the run under a preset, `EvalError`), `tokens` (text to
 ids as the harness's reference backend makes them), `scoring` (rows of tokens scored in batches
-of a few padded lengths), `generation` (greedy continuations that stop where the host says),
-`harness` (the harness's `LM`), `text` (bits per byte of files) and `cli`.
+of a few padded lengths), `harness` (the harness's `LM`, its generations from
+`minigpt.decoding`), `text` (bits per byte of files) and `cli`.
 """
 
 from minigpt.eval.loading import EvalError, Evaluated, load

@@ -13,16 +13,16 @@ compare with everyone's:
 - `loglikelihood_rolling`: the document with the tokenizer's own added tokens, in the harness's
   disjoint windows of the whole context, each conditioned on the prefix token or the window
   before;
-- `generate_until`: the prompt truncated from the left to leave room for `max_gen_toks`, greedy
-  (or sampled, where a task asks) until a stop string or end token, decoded without special
-  tokens and cut at the first stop string (`minigpt.eval.tokens`). Generations equal the `hf`
-  model's at its batch size 1: in its larger batches a row that stopped goes on until the whole
-  batch has, and text a stop token's removal leaves behind shows in its answer.
+- `generate_until`: the prompt truncated from the left to leave room for `max_gen_toks`, decoded
+  by the engine every door shares (`minigpt.decoding`), greedy (or sampled, where a task asks:
+  request j of a task with `seed + j`) until a stop string or end token, decoded without special
+  tokens and cut at the first stop string. Generations equal the `hf` model's at its batch size
+  1 (in its larger batches a row that stopped goes on until the whole batch has, and text a
+  stop token's removal leaves behind shows in its answer) and `minigpt.generate`'s.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
@@ -30,9 +30,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
 
 from minigpt import chat_template, runtime
-from minigpt.eval.generation import generate
+from minigpt.decoding import Settings, TextStream, decode_all
 from minigpt.eval.loading import EvalError, load
 from minigpt.eval.scoring import Row, Scorer
 from minigpt.eval.tokens import HarnessTokenizer
@@ -149,12 +150,15 @@ class MiniGPTLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Each request's continuation; requests with the same settings share batches."""
+        """Each request's continuation, from the decoding engine: the requests of one group of
+        settings decoded together, `batch_size` at a time, each stopping at its stop strings
+        (the text stream's rule, with the end token's text among them) or end ids."""
         answers: list = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         for number, req in enumerate(requests):
             groups.setdefault(repr(sorted(req.args[1].items())), []).append(number)
         end_text = self.vocab.decode([self.vocab.eos], skip_special=False)
+        tokenizer = self.evaluated.tokenizer
         for numbers in groups.values():
             settings = normalize_gen_kwargs(requests[numbers[0]].args[1], self.max_gen_toks)
             until = [settings["until"]] if isinstance(settings["until"], str) \
@@ -166,20 +170,23 @@ class MiniGPTLM(TemplateLM):
             if room < 1:
                 raise EvalError(f"a task asks for {max_new} new tokens, which leaves no room "
                                 f"for its prompt in the model's {self.max_length}")
-            lengths = [len(self.vocab.encode_as(s, False)) + 2 for s in until]
             prompts = [self.vocab.encode_for_generation(requests[n].args[0])[-room:]
                        for n in numbers]
-            sampling = ({"temperature": float(settings.get("temperature", 1.0)),
-                         "top_k": int(settings.get("top_k") or 0),
-                         "top_p": float(settings.get("top_p") or 1.0)}
-                        if settings.get("do_sample") else None)
-            new = generate(
-                self.evaluated, prompts, max_new=max_new,
-                stop=functools.partial(self.vocab.stop_at, stops=until, stop_lengths=lengths),
-                batch_size=self.batch, sampling=sampling, seed=self.seed,
-                desc="minigpt: generate_until", progress=self.progress and not disable_tqdm)
-            for n, tokens in zip(numbers, new):
-                text = postprocess_generated_text(self.vocab.decode(tokens), until, None)
+            draws = [Settings.seeded(
+                self.seed + j, temperature=float(settings.get("temperature", 1.0)),
+                top_k=int(settings.get("top_k") or 0), top_p=float(settings.get("top_p") or 1.0))
+                if settings.get("do_sample") else Settings() for j in range(len(numbers))]
+            rows = self.evaluated.ways("batch")
+            slots = -(-min(self.batch, len(prompts)) // rows) * rows
+            with tqdm(total=len(prompts), desc="minigpt: generate_until", unit="request",
+                      disable=not self.progress or disable_tqdm) as bar, \
+                    self.evaluated.active():
+                new = decode_all(self.evaluated.model, prompts, max_new=max_new, settings=draws,
+                                 stop_ids=self.vocab.stop_ids, slots=slots,
+                                 streams=[TextStream(tokenizer, stops=until) for _ in prompts],
+                                 on_done=lambda i: bar.update(1))
+            for n, decoded in zip(numbers, new):
+                text = postprocess_generated_text(self.vocab.decode(decoded.tokens), until, None)
                 answers[n] = text
                 self.cache_hook.add_partial("generate_until", requests[n].args, text)
         return answers

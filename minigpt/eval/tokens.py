@@ -11,9 +11,9 @@ the same files, quirks included:
   token transformers names (tokenizer_config.json's `bos_token`), else the end token
   (`eos_token`): `<|endoftext|>` for GPT-2, for zoo vocabularies too (documents start after it
   in their training stream);
-- a generated continuation is decoded without special tokens, after stopping at the first of
-  the stop strings (the request's `until` and the end token's text) that appears in the last
-  few tokens decoded with them, as the `hf` model's stopping criterion looks.
+- a generated continuation is decoded without special tokens and cut at the first of its stop
+  strings (the request's `until` and the end token's text); where it stops is the decoding
+  engine's text stream's to find (`minigpt.decoding.text`).
 """
 
 from __future__ import annotations
@@ -71,33 +71,6 @@ class HarnessTokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
-
-    def stop_at(self, generated: Sequence[int], stops: Sequence[str],
-                stop_lengths: Sequence[int]) -> bool:
-        """Whether generation stops after `generated`: one of `stops` appears in its last
-        tokens (each stop's own length in tokens plus 2), decoded with special tokens, or it
-        ends with an end token."""
-        if generated and generated[-1] in self.stop_ids:
-            return True
-        return any(stop in self.decode(generated[-n:], skip_special=False)
-                   for stop, n in zip(stops, stop_lengths))
-
-    def stop_strings(self, until: str | Sequence[str] | None) -> tuple[list[str], list[int]]:
-        """A request's stop strings with the end token's text added, and how many of the last
-        tokens each is looked for in."""
-        stops = [until] if isinstance(until, str) else list(until or [])
-        end = self.decode([self.eos], skip_special=False)
-        if end not in stops:
-            stops.append(end)
-        return stops, [len(self.encode_as(s, False)) + 2 for s in stops]
-
-
-def cut_at_stops(text: str, stops: Sequence[str]) -> str:
-    """The text before the first appearance of any (non-empty) stop string."""
-    for stop in stops:
-        if stop:
-            text = text.split(stop)[0]
-    return text
 
 
 def _named(tokenizer: HFTokenizer) -> tuple[int | None, int | None]:

@@ -88,7 +88,8 @@ class BlockStack(nnx.Module):
         """Each layer's parameters as arrays of their own (copies of the stack's slices), for
         `__call__(layers=...)`: a loop over them slices nothing. On a CPU, XLA copies each slice
         of a stacked weight that a product reads (scanned or unrolled alike), which in a decode
-        step of SmolLM2-135M's shape took longer than the products (see `minigpt.serve.steps`)."""
+        step of SmolLM2-135M's shape took longer than the products (see
+        `minigpt.decoding.programs.default_how`)."""
         state = nnx.state(self.layers)
         return [jax.tree.map(lambda a, i=i: jnp.array(a[i]), state)
                 for i in range(self.num_layers)]

@@ -117,12 +117,12 @@ def _openai_routes(service: Service, authorized) -> APIRouter:
         req = parse_completion(await _body(request), max_n=service.max_batch)
         service.check_model(req.model)
         choices, prompt_tokens = await run_in_threadpool(service.completion_choices, req)
-        options = dict(logprobs=req.logprobs is not None, token_ids=req.sampling.token_ids)
+        options = dict(logprobs=req.logprobs is not None, token_ids=req.token_ids)
         call, call_id = Call(service.engine, choices), responses.new_id("cmpl")
-        if req.sampling.stream:
+        if req.stream:
             return _stream(call, lambda c, first: responses.completion_chunk(
                 call_id, service.name, c, first=first, **options), call_id, service.name,
-                "text_completion", prompt_tokens, req.sampling.include_usage)
+                "text_completion", prompt_tokens, req.include_usage)
         await _finish(call, request)
         return responses.completion(call_id, service.name, choices, prompt_tokens=prompt_tokens,
                                     **options)
@@ -132,12 +132,12 @@ def _openai_routes(service: Service, authorized) -> APIRouter:
         req = parse_chat(await _body(request), max_n=service.max_batch)
         service.check_model(req.model)
         choices, prompt_tokens = await run_in_threadpool(service.chat_choices, req)
-        options = dict(logprobs=req.logprobs, token_ids=req.sampling.token_ids)
+        options = dict(logprobs=req.logprobs, token_ids=req.token_ids)
         call, call_id = Call(service.engine, choices), responses.new_id("chatcmpl")
-        if req.sampling.stream:
+        if req.stream:
             return _stream(call, lambda c, first: responses.chat_chunk(
                 call_id, service.name, c, first=first, **options), call_id, service.name,
-                "chat.completion.chunk", prompt_tokens, req.sampling.include_usage)
+                "chat.completion.chunk", prompt_tokens, req.include_usage)
         await _finish(call, request)
         return responses.chat(call_id, service.name, choices, prompt_tokens=prompt_tokens,
                               **options)

@@ -16,9 +16,8 @@ import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from minigpt.serve.engine import Engine
-from minigpt.serve.request import Request
-from minigpt.serve.text import TextStream, token_text
+from minigpt.decoding import End, Engine, Event, PromptScores, Request, TextStream, Tokens
+from minigpt.decoding.text import token_text
 
 
 @dataclasses.dataclass
@@ -55,47 +54,47 @@ class Choice:
     def tokens(self) -> int:
         return self.request.generated
 
-    def apply(self, event: tuple) -> None:
-        kind = event[0]
+    def apply(self, event: Event) -> None:
         if self.done:
             return
-        if kind == "prompt":
-            self._prompt(*event[1:])
-        elif kind == "tokens":
-            self._tokens(*event[1:])
-        elif kind == "end":
+        if isinstance(event, PromptScores):
+            self._prompt(event)
+        elif isinstance(event, Tokens):
+            self._tokens(event)
+        elif isinstance(event, End):
             self.text += self.stream.finish()
-            self.finish_reason = "stop" if self.stream.stopped else event[1]
+            self.finish_reason = "stop" if self.stream.stopped else event.reason
         else:
-            self.error = event[1]
+            self.error = event.message
 
-    def _tokens(self, tokens, logprobs, ids, top) -> None:
+    def _tokens(self, event: Tokens) -> None:
         if self.logprobs:  # token by token: each entry says where its text starts
-            for i, token in enumerate(tokens):
+            for i, token in enumerate(event.ids):
                 self.entries.append(Entry(
-                    token_text(self.tokenizer, token), token, logprobs[i],
-                    self._alternatives(ids[i], top[i]) if ids else [],
-                    len(self.prefix) + len(self.stream.text)))
+                    token_text(self.tokenizer, token), token, event.logprobs[i],
+                    self._alternatives(event.top_ids[i], event.top_logprobs[i])
+                    if event.top_ids else [], len(self.prefix) + len(self.stream.text)))
                 self.text += self.stream.add([token])
                 if self.stream.stopped:
                     break
         else:
-            self.text += self.stream.add(tokens)
+            self.text += self.stream.add(event.ids)
         if self.stream.stopped:
             self.finish_reason = "stop"
 
     def _alternatives(self, ids, logprobs) -> list[tuple[str, int, float]]:
         return [(token_text(self.tokenizer, i), i, lp) for i, lp in zip(ids, logprobs)]
 
-    def _prompt(self, given, ids, logprobs) -> None:
+    def _prompt(self, event: PromptScores) -> None:
         """The echoed prompt's entries: token i's log-probability given the ones before it,
         with the alternatives at its place; the first has none."""
         offset, prompt = 0, self.request.prompt
         for i, token in enumerate(prompt):
             text = token_text(self.tokenizer, token)
             self.prompt_entries.append(Entry(
-                text, token, None if i == 0 else given[i - 1],
-                None if i == 0 else self._alternatives(ids[i - 1], logprobs[i - 1]), offset))
+                text, token, None if i == 0 else event.logprobs[i - 1],
+                None if i == 0 else self._alternatives(event.top_ids[i - 1],
+                                                       event.top_logprobs[i - 1]), offset))
             offset += len(text)
         self.entries[:0] = self.prompt_entries
 
@@ -116,7 +115,7 @@ class Call:
         for choice in choices:
             choice.request.sink = functools.partial(self._arrive, choice)
 
-    def _arrive(self, choice: Choice, event: tuple) -> None:
+    def _arrive(self, choice: Choice, event: Event) -> None:
         self.queue.put_nowait((choice, event))
 
     async def updates(self, gone: Callable[[], Awaitable[bool]] | None = None

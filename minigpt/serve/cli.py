@@ -1,8 +1,10 @@
 """`python -m minigpt.serve`: flags to a served run.
 
 The command line is thin: refuse what cannot work before loading anything (a host others can
-reach without an API key), load the run and compile its decode step, print where it listens,
-and serve until Ctrl-C, which closes open streams within a few seconds and exits 0.
+reach without an API key, a port no socket can have), load the run and compile its first
+programs, listen, say where once connections are accepted, and serve until Ctrl-C, which closes
+open streams within a few seconds and exits 0. A port already in use stops the engine it
+started: nothing is left running.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 
 from minigpt.errors import exit_code
 from minigpt.runtime import log, plain_warnings, set_simulated_devices
-from minigpt.serve.server import Server, check_exposure, open_service
+from minigpt.serve.server import Server, bind, check_exposure, open_service
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,11 +61,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     check_exposure(args.host, args.api_key)
-    service = open_service(args.run, preset=args.preset, max_batch=args.max_batch,
-                           max_len=args.max_len, api_key=args.api_key, name=args.name, log=log)
-    server = Server(service, args.host, args.port)
-    log(f"serving {service.name} on {server.url} ({service.max_batch} slots of "
-        f"{service.length} positions): chat at {server.url}/, OpenAI API at {server.url}/v1"
-        f"{', API key required' if args.api_key else ''}; Ctrl-C stops")
-    server.serve_forever()
+    bound = bind(args.host, args.port)
+    try:
+        service = open_service(args.run, preset=args.preset, max_batch=args.max_batch,
+                               max_len=args.max_len, api_key=args.api_key, name=args.name,
+                               log=log)
+    except BaseException:
+        bound.close()
+        raise
+    with service, Server(service, args.host, bound=bound) as server:
+        log(f"serving {service.name} on {server.url} ({service.max_batch} slots of "
+            f"{service.length} positions): chat at {server.url}/, OpenAI API at "
+            f"{server.url}/v1{', API key required' if args.api_key else ''}; Ctrl-C stops")
+        server.serve_forever()
     return 0

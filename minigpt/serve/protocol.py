@@ -1,21 +1,27 @@
 """Requests as OpenAI's API defines them, checked at one door before anything runs.
 
 A request body is untrusted: it must be one JSON object (no NaN or Infinity, which Python's
-reader would otherwise accept), every field the type the API reference gives it (a boolean is
-not a number, a float is not a token count) and in its range; fields that change what would be
-computed and that minigpt does not implement (penalties, logit biases, tools) are refused rather
-than ignored, and fields that only describe the caller (`user`) are ignored. What passes becomes
-a frozen `Completion` or `Chat`; whatever fails raises `RequestError`, which the web app sends
-as an OpenAI error object with its HTTP status. Limits that depend on the model (the context,
-the vocabulary, the number of slots) are checked where the prompt is tokenized (`api`).
+reader would otherwise accept), every field the type the API reference gives it and in its
+range. The bodies are pydantic models in strict mode (a boolean is not a number, a float is not
+a token count, null means the default), and a failed check becomes one `RequestError` naming
+the field, which the web app sends as an OpenAI error object with its HTTP status. Fields that
+would change what is computed and that minigpt does not implement (penalties, logit biases,
+tools, beam search) are refused unless at their neutral value; vLLM's sampling extras `top_k`
+(0 or -1: every token) and `min_p` are honoured; other fields (`user`, `metadata`) are ignored.
+Limits that depend on the model (the context, the vocabulary, the number of slots) are checked
+where the prompt is tokenized (`service`).
+
+Seeds: any 64-bit integer, as OpenAI's clients send them, taken modulo 2^32 as
+`jax.random.key` takes a seed, so that `"seed": S` draws what `python -m minigpt.generate --seed
+S` and `jax.random.key(S)` draw (-1 and 2^32 - 1 are the same seed).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from minigpt.errors import UserError
 
@@ -28,7 +34,12 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # value, so that a caller never gets something other than what it asked for.
 UNSUPPORTED = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
                "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-               "response_format": ({"type": "text"},), "best_of": (1,)}
+               "response_format": ({"type": "text"},), "best_of": (1,),
+               "repetition_penalty": (1, 1.0), "use_beam_search": (False,)}
+# What a type error says the field must be.
+KINDS = {"int_type": "an integer", "float_type": "a number", "finite_number": "a finite number",
+         "bool_type": "true or false", "string_type": "a string", "model_type": "an object",
+         "dict_type": "an object", "list_type": "a list"}
 
 
 class RequestError(UserError):
@@ -44,53 +55,207 @@ class RequestError(UserError):
                           "code": self.code}}
 
 
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """What both endpoints share: how many tokens (None: the endpoint's default), how to draw
-    them, how many choices, where to stop, and whether to stream."""
+def _within(low, high, *, low_open: bool = False):
+    def check(value):
+        if value is not None and ((value <= low if low_open else value < low) or value > high):
+            raise ValueError(f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+        return value
 
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stream: bool = False
+    return AfterValidator(check)
+
+
+def _at_least(low):
+    def check(value):
+        if value is not None and value < low:
+            raise ValueError(f"must be at least {low}, got {value}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _stops(stop):
+    stops = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
+            and all(isinstance(s, str) and s for s in stops)):
+        raise ValueError(f"must be a non-empty string or a list of at most {MAX_STOPS} of them")
+    return tuple(stops)
+
+
+def _is_id(value) -> bool:
+    return type(value) is int
+
+
+def _prompts(prompt) -> tuple[str | tuple[int, ...], ...]:
+    kind = "a string, a list of strings, a list of token ids or a list of such lists"
+    if isinstance(prompt, str):
+        return (prompt,)
+    if not (isinstance(prompt, list) and prompt):
+        raise ValueError(f"must be {kind} (and not empty)")
+    if all(isinstance(p, str) for p in prompt):
+        prompts = tuple(prompt)
+    elif all(_is_id(t) for t in prompt):
+        prompts = (tuple(prompt),)
+    elif all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+        prompts = tuple(tuple(p) for p in prompt)
+    else:
+        raise ValueError(f"must be {kind}")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"holds {len(prompts)} prompts: at most {MAX_PROMPTS} in one request")
+    return prompts
+
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=-2**63, lt=2**64)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
-    token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's extension)
+
+
+class _Body(BaseModel):
+    """What both endpoints share: the model, how many tokens (None: the endpoint's default),
+    how to draw them, how many choices, where to stop, and whether to stream."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    model: str | None = None
+    max_tokens: Annotated[int | None, _at_least(0)] = None
+    temperature: Annotated[Number, _within(0, 2)] = 1.0
+    top_p: Annotated[Number, _within(0, 1, low_open=True)] = 1.0
+    top_k: Annotated[int, _at_least(-1)] = 0  # vLLM's: -1 or 0 for every token
+    min_p: Annotated[Number, _within(0, 1)] = 0.0
+    n: Annotated[int, _at_least(1)] = 1
+    seed: Seed | None = None
+    stop: Annotated[Any, AfterValidator(_stops)] = ()
+    stream: bool = False
+    stream_options: StreamOptions = StreamOptions()
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's)
     ignore_eos: bool = False  # go on past the end token (vLLM's extension; for benchmarks)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            return body
+        for name, neutral in UNSUPPORTED.items():
+            if body.get(name) is not None and body[name] not in neutral:
+                raise RequestError(f"{name} is not supported by this server; leave it out",
+                                   param=name)
+        return {k: v for k, v in body.items() if v is not None}
 
-@dataclasses.dataclass(frozen=True)
-class Completion:
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options.include_usage
+
+    @property
+    def token_ids(self) -> bool:
+        return self.return_tokens_as_token_ids
+
+    @property
+    def every_token(self) -> int:
+        """top_k as the engine takes it: 0 for every token."""
+        return max(self.top_k, 0)
+
+
+class Completion(_Body):
     """A /v1/completions request: prompts as text or token ids."""
 
-    model: str | None
-    prompts: tuple[str | tuple[int, ...], ...]
-    sampling: Sampling
+    prompt: Annotated[Any, AfterValidator(_prompts)]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int | None, _within(0, MAX_COMPLETION_LOGPROBS)] = None
+
+    @property
+    def prompts(self) -> tuple[str | tuple[int, ...], ...]:
+        return self.prompt
 
 
-@dataclasses.dataclass(frozen=True)
-class Chat:
-    """A /v1/chat/completions request: the conversation as {"role", "content": text}."""
+class _TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
 
-    model: str | None
-    messages: tuple[dict[str, str], ...]
-    sampling: Sampling
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal[tuple(ROLES)]
+    content: str | list[_TextPart]
+
+    def plain(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+        return {"role": ROLES[self.role], "content": content}
+
+
+class Chat(_Body):
+    """A /v1/chat/completions request: the conversation as {"role", "content": text}.
+    `max_completion_tokens` is the newer name of `max_tokens`; either may be given."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int | None, _at_least(1)] = None
+    max_tokens: Annotated[int | None, _at_least(1)] = None
     logprobs: bool = False
-    top_logprobs: int = 0
+    top_logprobs: Annotated[int, _within(0, MAX_CHAT_LOGPROBS)] = 0
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> Chat:
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def conversation(self) -> tuple[dict[str, str], ...]:
+        return tuple(m.plain() for m in self.messages)
 
 
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not JSON")
+def _refusal(error: ValidationError) -> RequestError:
+    """The first failed check as one line naming the field (and, for a message, its place)."""
+    first = error.errors(include_url=False)[0]
+    loc = first["loc"]  # the field, then (for a message) its place and its field
+    param = str(loc[0]) if loc else None
+    if param == "messages":
+        where = "messages" if len(loc) < 2 else f"messages[{loc[1]}]"
+        field = loc[2] if len(loc) > 2 else None
+        text = ("must be a non-empty list of {role, content} objects" if len(loc) < 2 else
+                f"needs a role among {', '.join(sorted(ROLES))}" if field in (None, "role") else
+                'content must be text (a string, or a list of {"type": "text", "text": ...} '
+                'parts)')
+        return RequestError(f"{where} {text}" if field != "content" else f"{where}.{text}",
+                            param="messages")
+    if first["type"] == "value_error":
+        said = str(first["ctx"]["error"])
+    elif first["type"] == "missing":
+        said = "is required"
+    elif first["type"] in KINDS:
+        said = f"must be {KINDS[first['type']]}, got {json.dumps(first['input'])[:80]}"
+    else:
+        said = first["msg"][0].lower() + first["msg"][1:]
+    return RequestError(f"{param} {said}" if param else said, param=param)
+
+
+def _checked(model: type[_Body], body: dict, max_n: int) -> Any:
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise _refusal(error) from None
+    if request.n > max_n:
+        raise RequestError(f"n is {request.n} but this server decodes at most {max_n} "
+                           f"sequences at once (its --max-batch): ask for at most {max_n}",
+                           param="n")
+    return request
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or RequestError."""
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not JSON")
+
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
+        body = json.loads(raw, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise RequestError(f"the request body is not valid JSON ({error}): send one JSON "
                            f"object") from None
@@ -100,151 +265,11 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _is_int(value: Any) -> bool:
-    return type(value) is int
-
-
-def _is_number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def _field(body: dict, name: str, check, kind: str, default: Any = None) -> Any:
-    """body[name] (None or absent: `default`) if `check` accepts it, else RequestError."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not check(value):
-        raise RequestError(f"{name} must be {kind}, got {json.dumps(value)[:80]}", param=name)
-    return value
-
-
-def _flag(body: dict, name: str) -> bool:
-    return _field(body, name, lambda v: isinstance(v, bool), "true or false", False)
-
-
-def _in_range(name: str, value, low, high, *, low_open: bool = False) -> None:
-    if value is None:
-        return
-    if (value <= low if low_open else value < low) or value > high:
-        left = "(" if low_open else "["
-        raise RequestError(f"{name} must be in {left}{low}, {high}], got {value}", param=name)
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for name, neutral in UNSUPPORTED.items():
-        if name in body and body[name] is not None and body[name] not in neutral:
-            raise RequestError(f"{name} is not supported by this server; leave it out",
-                               param=name)
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stops, list) and len(stops) <= MAX_STOPS
-            and all(isinstance(s, str) and s for s in stops)):
-        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} "
-                           f"of them", param="stop")
-    return tuple(stops)
-
-
-def _sampling(body: dict, *, max_n: int, tokens_field: str = "max_tokens",
-              least_tokens: int = 0) -> Sampling:
-    _refuse_unsupported(body)
-    max_tokens = _field(body, tokens_field, _is_int, "an integer")
-    if max_tokens is not None and max_tokens < least_tokens:
-        raise RequestError(f"{tokens_field} must be at least {least_tokens}, got {max_tokens}",
-                           param=tokens_field)
-    temperature = _field(body, "temperature", _is_number, "a number", 1.0)
-    _in_range("temperature", temperature, 0, 2)
-    top_p = _field(body, "top_p", _is_number, "a number", 1.0)
-    _in_range("top_p", top_p, 0, 1, low_open=True)
-    n = _field(body, "n", _is_int, "an integer", 1)
-    if n < 1:
-        raise RequestError(f"n must be at least 1, got {n}", param="n")
-    if n > max_n:
-        raise RequestError(f"n is {n} but this server decodes at most {max_n} sequences at "
-                           f"once (its --max-batch): ask for at most {max_n}", param="n")
-    options = _field(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
-    return Sampling(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                    n=n, seed=_field(body, "seed", _is_int, "an integer"), stop=_stops(body),
-                    stream=_flag(body, "stream"), include_usage=_flag(options, "include_usage"),
-                    token_ids=_flag(body, "return_tokens_as_token_ids"),
-                    ignore_eos=_flag(body, "ignore_eos"))
-
-
-def _model(body: dict) -> str | None:
-    return _field(body, "model", lambda v: isinstance(v, str), "a string")
-
-
-def _prompts(body: dict) -> tuple[str | tuple[int, ...], ...]:
-    prompt = body.get("prompt")
-    kind = "a string, a list of strings, a list of token ids or a list of such lists"
-    if isinstance(prompt, str):
-        return (prompt,)
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            prompts = tuple(prompt)
-        elif all(_is_int(t) for t in prompt):
-            prompts = (tuple(prompt),)
-        elif all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
-            prompts = tuple(tuple(p) for p in prompt)
-        else:
-            raise RequestError(f"prompt must be {kind}", param="prompt")
-        if len(prompts) > MAX_PROMPTS:
-            raise RequestError(f"at most {MAX_PROMPTS} prompts in one request, got "
-                               f"{len(prompts)}", param="prompt")
-        return prompts
-    raise RequestError(f"prompt must be {kind} (and not empty)", param="prompt")
-
-
 def parse_completion(body: dict, *, max_n: int) -> Completion:
     """A /v1/completions body, checked (RequestError)."""
-    sampling = _sampling(body, max_n=max_n)
-    logprobs = _field(body, "logprobs", _is_int, "an integer")
-    _in_range("logprobs", logprobs, 0, MAX_COMPLETION_LOGPROBS)
-    echo = _flag(body, "echo")
-    return Completion(model=_model(body), prompts=_prompts(body), sampling=sampling, echo=echo,
-                      logprobs=logprobs)
-
-
-def _content(message: dict, index: int) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(f"messages[{index}].content must be text (a string, or a list of "
-                       f'{{"type": "text", "text": ...}} parts)', param="messages")
-
-
-def _messages(body: dict) -> tuple[dict[str, str], ...]:
-    messages = body.get("messages")
-    if not (isinstance(messages, list) and messages):
-        raise RequestError("messages must be a non-empty list of {role, content} objects",
-                           param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}] needs a role among "
-                               f"{', '.join(sorted(ROLES))}", param="messages")
-        out.append({"role": ROLES[message["role"]], "content": _content(message, i)})
-    return tuple(out)
+    return _checked(Completion, body, max_n)
 
 
 def parse_chat(body: dict, *, max_n: int) -> Chat:
-    """A /v1/chat/completions body, checked (RequestError). `max_completion_tokens` is the
-    newer name of `max_tokens`; either may be given."""
-    tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    sampling = _sampling(body, max_n=max_n, tokens_field=tokens_field, least_tokens=1)
-    logprobs = _flag(body, "logprobs")
-    top = _field(body, "top_logprobs", _is_int, "an integer", 0)
-    _in_range("top_logprobs", top, 0, MAX_CHAT_LOGPROBS)
-    if top and not logprobs:
-        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-    return Chat(model=_model(body), messages=_messages(body), sampling=sampling,
-                logprobs=logprobs, top_logprobs=top)
+    """A /v1/chat/completions body, checked (RequestError)."""
+    return _checked(Chat, body, max_n)

@@ -15,13 +15,12 @@ import dataclasses
 import secrets
 
 from minigpt import chat_template
+from minigpt.decoding import Engine, Request, TextStream
+from minigpt.decoding.text import decode
 from minigpt.errors import UserError
 from minigpt.generate import GREEDY_BELOW
 from minigpt.serve.choices import Choice
-from minigpt.serve.engine import Engine
-from minigpt.serve.protocol import Chat, Completion, RequestError, Sampling
-from minigpt.serve.request import Request
-from minigpt.serve.text import TextStream, decode
+from minigpt.serve.protocol import Chat, Completion, RequestError
 
 COMPLETION_DEFAULT_TOKENS = 16  # what OpenAI's completions give without max_tokens
 
@@ -43,6 +42,14 @@ class Service:
 
     def __post_init__(self):
         self.chat_tokenizer = chat_template.with_template(self.tokenizer)[0]
+
+    def __enter__(self) -> Service:
+        """Start the engine's thread (its first programs compiled when this returns)."""
+        self.engine.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.stop()
 
     @property
     def length(self) -> int:
@@ -92,7 +99,7 @@ class Service:
     def completion_choices(self, req: Completion) -> tuple[list[Choice], int]:
         """The choices of a completions request (n per prompt, in that order), and the number
         of prompt tokens."""
-        choices, prompt_tokens, s = [], 0, req.sampling
+        choices, prompt_tokens, s = [], 0, req
         for p, prompt in enumerate(req.prompts):
             if isinstance(prompt, str):
                 ids, text = self.tokenizer.encode_prompt(prompt), prompt
@@ -119,15 +126,15 @@ class Service:
         """The choices of a chat request, and the number of prompt tokens."""
         tokenizer = self.chat_tokenizer
         try:
-            text = tokenizer.render_chat(list(req.messages), max_chars=self.length *
+            text = tokenizer.render_chat(list(req.conversation()), max_chars=self.length *
                                          chat_template.CHARS_PER_TOKEN)
         except UserError as error:
             raise RequestError(f"the chat cannot be rendered: {error}",
                                param="messages") from None
         ids = tokenizer.encode_ordinary(text)
-        s = req.sampling
+        s = req
         field = "max_tokens"
-        max_new = self.length - len(ids) if s.max_tokens is None else s.max_tokens
+        max_new = self.length - len(ids) if s.max_new is None else s.max_new
         self._check_length(len(ids), max(max_new, 1), field, "messages")
         choices = []
         for j in range(s.n):
@@ -137,12 +144,14 @@ class Service:
                                   logprobs=req.logprobs))
         return choices, len(ids)
 
-    def _request(self, ids: list[int], max_new: int, s: Sampling, index: int, *,
+    def _request(self, ids: list[int], max_new: int, s: Completion | Chat, index: int, *,
                  logprobs: bool, top: int, prompt_logprobs: bool = False) -> Request:
+        """Choice `index` of a request draws with the seed + index (a random seed without
+        one), as `minigpt.generate --seed S --num-samples N` draws its samples."""
         greedy = s.temperature < GREEDY_BELOW
-        seed = secrets.randbits(31) if s.seed is None else s.seed + index
-        return Request(ids, max_new, sink=_nobody, temperature=0.0 if greedy else s.temperature,
-                       top_p=s.top_p, seed=seed,
+        seed = secrets.randbits(32) if s.seed is None else s.seed + index
+        return Request(ids, max_new, temperature=0.0 if greedy else s.temperature,
+                       top_k=s.every_token, top_p=s.top_p, min_p=s.min_p, seed=seed,
                        stop_ids=frozenset(() if s.ignore_eos else self.tokenizer.stop_tokens),
                        logprobs=logprobs, top=top, prompt_logprobs=prompt_logprobs)
 
@@ -166,7 +175,3 @@ class Service:
             raise RequestError(f"the prompt's {count} tokens and {field} {max_new} come to "
                                f"{count + max_new}, past {limit}: ask for at most "
                                f"{C - count} new tokens", param=field)
-
-
-def _nobody(event: tuple) -> None:
-    """A request's sink until its call takes it over."""

@@ -47,10 +47,10 @@ def main() -> None:
                 args.slots, programs.lengths[0], [0] * args.slots,
                 [r.max_new for r in requests], [()] * args.slots, requests, 0))
             for b in args.rows:
-                decode = ("decode", b)
+                decode = ("decode", b, False, 0)
                 began = time.perf_counter()
                 cache, slots, drawn, _ = programs.run(decode, programs.decode_args(
-                    cache, slots, list(range(b)), b, 0, 1))
+                    cache, slots, list(range(b)), b, 1))
                 np.asarray(drawn[0])
                 compiling = time.perf_counter() - began
                 best = {}
@@ -59,7 +59,7 @@ def main() -> None:
                     for _ in range(5):
                         began = time.perf_counter()
                         cache, slots, drawn, _ = programs.run(decode, programs.decode_args(
-                            cache, slots, list(range(b)), b, 0, count))
+                            cache, slots, list(range(b)), b, count))
                         np.asarray(drawn[0])
                         best[count] = min(best[count], (time.perf_counter() - began) / count)
                 print(f"{name}, {how}, {b} of {args.slots} rows: first call {compiling:.1f} s; "

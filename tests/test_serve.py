@@ -285,11 +285,12 @@ def test_the_server_stays_up_for_others_after_bad_requests(server, client):
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["slots"] == SLOTS
     assert health["slots_in_use"] == 0 and health["queue_length"] == 0
-    # A decode program per row count (1, 4, 16) and a few prefills (by prompt count and
-    # length), each compiled once.
+    # Decode programs by row count (1, 4, 16), greedy or sampling, with log-probabilities or
+    # not, and a few prefills (by prompt count and length), each compiled once.
     compiled = health["compiled"]
-    assert {"decode 1 row", "decode 16 rows"} <= set(compiled[:2] + compiled[2:])
-    assert len(set(compiled)) == len(compiled) <= 12, compiled
+    assert {"decode 1 row, sampling", "decode 16 rows, sampling"} <= set(compiled[:4])
+    assert {"prefill 1 x 32", "prefill 16 x 32"} <= set(compiled[:4])
+    assert len(set(compiled)) == len(compiled) <= 24, compiled
 
 
 def test_a_failed_step_ends_its_requests_with_an_error_and_the_server_goes_on(server, client,
@@ -436,7 +437,10 @@ def test_calls_are_sized_to_the_work_and_each_request_gets_its_solo_tokens():
     assert engine.programs.layers is None and Engine(model).programs.how == "per layer"
     engine._fresh_state()
     engine._warm_up()
-    assert {"decode 1 row", "decode 4 rows", "prefill 1 x 32", "prefill 4 x 32"} == set(
+    while engine.programs.compiling:  # the background compiles begun at warm-up
+        time.sleep(0.05)
+    assert {"decode 1 row, sampling", "decode 4 rows, sampling", "prefill 1 x 32",
+            "prefill 4 x 32", "decode 4 rows, sampling, top logprobs"} == set(
         engine.programs.compiled)
     # A call's steps fill about 0.1 s at the fastest step of its program's last calls (a call
     # with a prefill beside it only looks slower), up to the program's most.
@@ -464,7 +468,7 @@ def test_calls_are_sized_to_the_work_and_each_request_gets_its_solo_tokens():
 
     engine.submit(requests[0])
     assert calls() == (1, 1)  # three slots free: the rest of a burst may be arriving
-    assert calls() == (1, 16)
+    assert calls() == (1, 16)  # (greedy: the sampling program serves while its own compiles)
     engine.submit(*requests[1:])
     assert calls() == (4, 16)  # every slot taken: nobody else can join
     assert any(name.startswith("prefill 4 x 64") for name in engine.programs.compiled)
@@ -478,7 +482,7 @@ def test_calls_are_sized_to_the_work_and_each_request_gets_its_solo_tokens():
     engine.submit(requests[-1])
     while not requests[-1].finished:
         engine._iteration()
-    engine._compiler.shutdown(wait=True)  # waits for the background compile
+    engine.programs.close(wait=True)  # waits for the background compiles
     assert any(line.startswith("compiled prefill 1 x 64 in") and "in the background" in line
                for line in lines), lines
     for prompt, n, tokens in zip(prompts, budgets, got):

@@ -1,15 +1,18 @@
 """The engine's programs compiled, kept and chosen: one table for the process, and for each
 engine the programs of its cache's shape.
 
-A program is named by what it runs: ("decode", b) for b rows of decode steps, ("prefill", n,
-P, logprobs) for n prompts of P tokens. Compiled programs are kept in one table for the
-process, keyed on the model's structure, the layout's context and the arguments' shapes and
-placements, so a new engine for the same model (one per `generate` call) compiles nothing
-again. For a shape of work an engine uses its own program when it is compiled, else the
-smallest compiled one that holds the work (compiling its own in the background, where the
-engine has a compile thread), else compiles its own now. The cache and slot state are donated
-and handed back placed as they came (the cache by its logical axes, the slot state
-replicated), so every call's arguments are laid out as its program was compiled for.
+A program is named by what it runs: ("decode", b, sample, want) for b rows of decode steps
+that may sample (else every row takes the argmax) and report `want` of their tokens (0: the
+tokens, 1: their log-probabilities, 2: and the likeliest alternatives: each a program of its
+own, not a branch in every step), ("prefill", n, P, logprobs) for n prompts of P tokens.
+Compiled programs are kept in one table for the process, keyed on the model's structure, the
+layout's context and the arguments' shapes and placements, so a new engine for the same model
+(one per `generate` call) compiles nothing again. For a shape of work an engine uses its own
+program when it is compiled, else the smallest compiled one that holds the work (compiling its
+own in the background, where the engine has a compile thread), else compiles its own now. The
+cache and slot state are donated and handed back placed as they came (the cache by its logical
+axes, the slot state replicated), so every call's arguments are laid out as its program was
+compiled for.
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ _TABLE_MOST = 128
 _table_lock = threading.Lock()
 
 
+class _Key:
+    """A table key whose hash is computed once (a model's structure and its weights'
+    signature take a millisecond to hash)."""
+
+    def __init__(self, parts: tuple):
+        self.parts, self.hash = parts, hash(parts)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _Key) and self.hash == other.hash
+                                 and self.parts == other.parts)
+
+
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((tuple(a.shape), str(a.dtype), getattr(a, "sharding", None))
@@ -64,7 +82,9 @@ def abstract(value):
 def describe(name: tuple) -> str:
     """A program's name for logs and /health: "decode 4 rows", "prefill 1 x 64"."""
     if name[0] == "decode":
-        return f"decode {name[1]} row{'s' if name[1] > 1 else ''}"
+        _, b, sample, want = name
+        return (f"decode {b} row{'s' if b > 1 else ''}" + (", sampling" if sample else "")
+                + ("", ", logprobs", ", top logprobs")[want])
     _, n, P, logprobs = name
     return f"prefill {n} x {P}" + (" with prompt logprobs" if logprobs else "")
 
@@ -100,11 +120,11 @@ class Programs:
                           if background else None)
         with context():
             self.weights, self.layers = served_weights(model, self.graphdef, state, self.how)
-            self._empty = functools.partial(
-                empty_cache, self.graphdef, self.weights, slots=slots, length=length,
-                per_layer=self.layers is not None, context=sharding.active())
-            self._base = (self.graphdef, sharding.active(), _signature(self.weights),
-                          _signature(self.layers))
+            self._empty = functools.partial(empty_cache, self.graphdef, self.weights,
+                                            slots=slots, length=length,
+                                            per_layer=self.layers is not None)
+            self._base = _Key((self.graphdef, sharding.active(), _signature(self.weights),
+                               _signature(self.layers), length, most))
 
     @property
     def compiled(self) -> list[str]:
@@ -134,11 +154,15 @@ class Programs:
 
     # --- which program ------------------------------------------------------------------------
 
-    def decode_for(self, active: int, args: Callable[[int], tuple]) -> tuple:
-        """The decode program for `active` slots (`args(b)`: a program of b rows' arguments,
-        should one be compiled)."""
+    def decode_for(self, active: int, sample: bool, want: int,
+                   args: Callable[[int], tuple]) -> tuple:
+        """The decode program for `active` slots, which may sample (`sample`) and want their
+        tokens' log-probabilities (`want`, as `sampler.choose` takes it); `args(b)`: a
+        program of b rows' arguments, should one be compiled."""
         b = next(c for c in self.rows if c >= active)
-        return self._chosen(("decode", b), lambda other: other[1] >= b, args(b))
+        return self._chosen(("decode", b, sample, want), lambda other: (
+            other[1] >= b and other[2] >= sample and other[3] >= want), args(b),
+            size=lambda other: other[1:])
 
     def prefill_for(self, prompts: int, longest: int, logprobs: bool,
                     args: Callable[[tuple], tuple]) -> tuple:
@@ -166,10 +190,9 @@ class Programs:
 
     # Arguments go in as NumPy values: the compiled call moves them with the rest, where each
     # jnp.asarray would be an eager operation of its own (about a millisecond apiece).
-    def decode_args(self, cache, slots: Slots, rows: list[int], b: int, want: int, count: int):
+    def decode_args(self, cache, slots: Slots, rows: list[int], b: int, count: int):
         padded = np.asarray([*rows, *[self.slots] * (b - len(rows))], np.int32)
-        return (self.weights, self.layers, cache, slots, padded, np.int32(want),
-                np.int32(count))
+        return self.weights, self.layers, cache, slots, padded, np.int32(count)
 
     def prefill_args(self, cache, slots: Slots, rows: list[int], prompts: list[list[int]],
                      n: int, P: int, counts: list[int], left: list[int],
@@ -210,7 +233,7 @@ class Programs:
         began = time.perf_counter()
         args = [abstract(a) for a in args]
         with self.context():
-            key = (*self._base, name, self.length, self.most, _signature(args[2:]))
+            key = (self._base, name, _signature(args[2:]))
             with _table_lock:
                 program = _TABLE.get(key)
                 if program is not None:
@@ -230,7 +253,7 @@ class Programs:
         replicated = self._replicated
         if name[0] == "decode":
             fn = functools.partial(decode, self.graphdef, length=self.length, most=self.most,
-                                   whole=name[1] == self.slots)
+                                   whole=name[1] == self.slots, sample=name[2], want=name[3])
             placed = (self._cache_shardings, replicated, replicated, replicated)
         else:
             fn = functools.partial(prefill, self.graphdef, length=self.length,

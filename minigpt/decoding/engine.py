@@ -15,10 +15,8 @@ and slots are free, a call is one step, so that a burst joins together.
 The host reads a call's tokens while the device runs the next one (JAX dispatches
 asynchronously and a step needs nothing from the host): each dispatched program is a record of
 which request held which slot, processed in order one call behind. What comes out goes to each
-request's `sink` as typed events (`minigpt.decoding.request`), in one `post` per call. A
-program of a new shape compiles in the background (with `background`) while a larger compiled
-one serves; without it, the smallest compiled one that holds the work is used, and one is
-compiled only where none does.
+request's `sink` as typed events (`minigpt.decoding.request`), in one `post` per call. Which
+program serves a call, and what compiles when, is `minigpt.decoding.compiled`'s.
 """
 
 from __future__ import annotations
@@ -37,15 +35,7 @@ import numpy as np
 
 from minigpt import sharding
 from minigpt.decoding.compiled import Programs
-from minigpt.decoding.request import (
-    End,
-    Event,
-    Failed,
-    PromptScores,
-    Request,
-    Tokens,
-    post_directly,
-)
+from minigpt.decoding.request import End, Event, Failed, PromptScores, Request, Tokens
 from minigpt.models import DecoderLM
 
 # A server's call of decode steps aims at this long: the host's work per call (dispatching,
@@ -53,6 +43,12 @@ from minigpt.models import DecoderLM
 # model whose step takes 4 ms would otherwise pay at every step; a new request or a hang-up
 # waits at most about this long for the call to end.
 TARGET_CALL_SECONDS = 0.1
+
+
+def post_directly(events: list[tuple[Request, Event]]) -> None:
+    """Hand each event to its request's sink on the calling thread (the engine's)."""
+    for request, event in events:
+        request.sink(event)
 
 
 @dataclasses.dataclass
@@ -175,12 +171,13 @@ class Engine:
 
     def _warm_up(self) -> None:
         """Compile, before the first request, the decode programs of one row and of every
-        slot and the smallest prefills of one prompt and of a prompt for every slot (which
-        serve any burst of short prompts while their own compile); the other row counts
-        compile in the background."""
+        slot for requests that need no log-probabilities, and the smallest prefills of one
+        prompt and of a prompt for every slot (which serve any burst of short prompts while
+        their own compile); in the background, those of the other row counts and the one that
+        holds every request. Greedy-only ones compile in the background when first met."""
         began, programs = time.perf_counter(), self.programs
         for b in sorted({1, self.slots}):
-            programs.compile(("decode", b), self._decode_args(b, list(range(b)), 0, 1))
+            programs.compile(("decode", b, True, 0), self._decode_args(b, list(range(b)), 1))
         for n in sorted({1, self.slots}):
             group = [(slot, Request([0], 1)) for slot in range(n)]
             name = ("prefill", next(c for c in programs.rows if c >= n), programs.lengths[0],
@@ -193,8 +190,9 @@ class Engine:
                  f"{', '.join(map(str, programs.rows))} rows, prefill once per prompt count and "
                  f"length ({', '.join(map(str, programs.lengths))}), in the background while a "
                  f"larger one serves")
-        for b in programs.rows:
-            programs.in_background(("decode", b), self._decode_args(b, list(range(b)), 0, 1))
+        for name in [*(("decode", b, True, 0) for b in programs.rows),
+                     ("decode", self.slots, True, 2)]:
+            programs.in_background(name, self._decode_args(name[1], list(range(name[1])), 1))
 
     # --- one call --------------------------------------------------------------------------
 
@@ -212,14 +210,15 @@ class Engine:
                    if o is not None and o.dispatched < o.max_new]
         if running:
             name = self.programs.decode_for(
-                len(running), lambda b: self._decode_args(b, list(range(b)), 0, 1))
+                len(running), any(o.temperature > 0 for _, o in running),
+                max(o.wants for _, o in running),
+                lambda b: self._decode_args(b, list(range(b)), 1))
             # While requests are arriving and slots are free, a call is one step, so that the
             # rest of a burst joins within a step instead of a whole call.
             count = 1 if filling else self._steps_per_call(name[1])
             rows = [slot for slot, _ in running]
-            want = max(o.wants for _, o in running)
             self._cache, self._slots, drawn, steps = self.programs.run(
-                name, self._decode_args(name[1], rows, want, count))
+                name, self._decode_args(name[1], rows, count))
             whole = name[1] == self.slots
             held = [(slot if whole else j, o, o.epoch) for j, (slot, o) in enumerate(running)]
             for _, request in running:
@@ -280,8 +279,8 @@ class Engine:
         self._records.append(_Dispatched("prefill", drawn, [
             (j, r, r.epoch) for j, (_, r) in enumerate(group)], prompt=prompt))
 
-    def _decode_args(self, b: int, rows: list[int], want: int, count: int):
-        return self.programs.decode_args(self._cache, self._slots, rows, b, want, count)
+    def _decode_args(self, b: int, rows: list[int], count: int):
+        return self.programs.decode_args(self._cache, self._slots, rows, b, count)
 
     def _prefill_args(self, name: tuple, group: list[tuple[int, Request]]):
         requests = [r for _, r in group]

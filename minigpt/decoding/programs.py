@@ -13,7 +13,9 @@ before its query's position, so a request's tokens do not depend on what runs be
 
 How the programs compute is decided here, once, for every client: the weights each layer
 multiplies are cast to its compute dtype once (`in_compute_dtypes`), on a CPU each layer runs
-on weights of its own (`default_how`), and products are plain ones whatever `model.fp8` says
+on weights of its own (`default_how`), projections contract in their kernels' order
+(`layers.in_kernel_order`: no weight copied at every step), and products are plain ones
+whatever `model.fp8` says
 (a step of one token a row is bound by reading the weights, which FP8 would quantize afresh
 every step; prompts run the same products, so every door gives the same numbers).
 """
@@ -26,13 +28,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import minigpt.models.fp8 as fp8
 from minigpt import sharding
 from minigpt.decoding.sampler import TOP, Sampling, choose
 from minigpt.models import DecoderLM, execution
-from minigpt.models.layers import Dense, Embedding
+from minigpt.models.layers import Dense, Embedding, in_kernel_order
 
 STOP_IDS = 8  # stop ids a slot checks on the device (the host checks every one)
 HOWS = ("per layer", "scanned", "unrolled")
@@ -55,12 +58,16 @@ class Slots:
 
     @staticmethod
     def empty(slots: int) -> Slots:
-        def zeros():  # each its own buffer: the slot state is donated
-            return jnp.zeros(slots, jnp.int32)
+        """Idle slots, as host arrays (placed on the devices in one transfer)."""
+        def zeros():
+            return np.zeros(slots, np.int32)
 
         return Slots(token=zeros(), position=zeros(), count=zeros(), left=zeros(),
-                     done=jnp.ones(slots, bool), stops=jnp.full((slots, STOP_IDS), -1, jnp.int32),
-                     sampling=Sampling.greedy(slots))
+                     done=np.ones(slots, bool), stops=np.full((slots, STOP_IDS), -1, np.int32),
+                     sampling=Sampling(temperature=np.zeros(slots, np.float32), top_k=zeros(),
+                                       top_p=np.ones(slots, np.float32),
+                                       min_p=np.zeros(slots, np.float32),
+                                       key=np.zeros((slots, 2), np.uint32)))
 
 
 def _slot_axis(array: jax.Array) -> int:
@@ -83,13 +90,15 @@ def _finished(token, position, left, stops, *, length: int) -> jax.Array:
     return jnp.any(token[:, None] == stops, axis=-1) | (left <= 0) | (position >= length)
 
 
-def decode(graphdef, weights, layers, cache, slots: Slots, rows, want, count, *, length: int,
-           most: int, whole: bool):
+def decode(graphdef, weights, layers, cache, slots: Slots, rows, count, *, length: int,
+           most: int, whole: bool, sample: bool, want: int):
     """Up to `count` (traced, 1 to `most`) decode steps for the slots `rows` [b] (a number
     past the slots: padding), ending early once all of them are done; with `whole` (b is the
-    number of slots) every slot runs in its place and nothing is gathered. Returns (cache,
-    slots, drawn, steps): drawn's arrays stacked over the steps [most, b, ...] (token,
-    log-probability, TOP ids and log-probabilities; rows past `steps` zeros)."""
+    number of slots) every slot runs in its place and nothing is gathered. `sample`: whether
+    any row may sample (else every row takes the argmax); `want`: what is reported of the
+    tokens, as `sampler.choose` takes it. Returns (cache, slots, drawn, steps): drawn's arrays
+    stacked over the steps [most, b, ...] (token, log-probability, TOP ids and
+    log-probabilities; rows past `steps`, and what `want` leaves out, zeros)."""
     S = slots.token.shape[0]
     if whole:  # every slot runs; those not asked for count as done
         sub_cache, sub = cache, slots
@@ -100,8 +109,10 @@ def decode(graphdef, weights, layers, cache, slots: Slots, rows, want, count, *,
         asked = rows < S
     sub = dataclasses.replace(sub, done=sub.done | ~asked)
     b = sub.token.shape[0]
-    out = (jnp.zeros((most, b), jnp.int32), jnp.zeros((most, b), jnp.float32),
-           jnp.zeros((most, b, TOP), jnp.int32), jnp.zeros((most, b, TOP), jnp.float32))
+    shapes = [(most, b), (most, b), (most, b, TOP), (most, b, TOP)]
+    dtypes = [jnp.int32, jnp.float32, jnp.int32, jnp.float32]
+    kept = 1 + (want > 0) + 2 * (want > 1)  # how many of the four outputs are carried
+    out = tuple(jnp.zeros(shape, dtype) for shape, dtype in zip(shapes[:kept], dtypes))
 
     def going(carry):
         i, _, s, _ = carry
@@ -112,7 +123,7 @@ def decode(graphdef, weights, layers, cache, slots: Slots, rows, want, count, *,
         model = nnx.merge(graphdef, weights)
         at = jnp.minimum(s.position, length - 1)
         logits, cache = model.decode(s.token[:, None], at[:, None], cache, layers)
-        drawn = choose(logits[:, 0], s.sampling, s.count, ~s.done, want)
+        drawn = choose(logits[:, 0], s.sampling, s.count, ~s.done, want, sample=sample)
         token, position, left = drawn[0], s.position + 1, s.left - 1
         done = s.done | _finished(token, position, left, s.stops, length=length)
 
@@ -124,8 +135,9 @@ def decode(graphdef, weights, layers, cache, slots: Slots, rows, want, count, *,
                                 done=done)
         return i + 1, cache, s, tuple(o.at[i].set(d) for o, d in zip(out, drawn))
 
-    with fp8.suspended():
+    with fp8.suspended(), in_kernel_order():
         steps, sub_cache, sub, out = jax.lax.while_loop(going, step, (0, sub_cache, sub, out))
+    out = (*out, *(jnp.zeros(shape, dtype) for shape, dtype in zip(shapes[kept:], dtypes[kept:])))
     if whole:
         return sub_cache, sub, out, steps
     slots = jax.tree.map(lambda a, s: a.at[rows].set(s, mode="drop"), slots, sub)
@@ -142,7 +154,7 @@ def prefill(graphdef, weights, layers, cache, slots: Slots, rows, tokens, length
     `prompt_logprobs`, also every prompt token's log-probability given the ones before it
     [n, P - 1] and each position's TOP alternatives [n, P, TOP]. Returns (cache, slots, drawn,
     prompt or None)."""
-    with fp8.suspended():
+    with fp8.suspended(), in_kernel_order():
         model = nnx.merge(graphdef, weights)
         n, P = tokens.shape
         fresh = model.init_cache(n, P, dtype=cache_dtype(model), per_layer=layers is not None)
@@ -186,6 +198,8 @@ def in_compute_dtypes(model: nnx.Module, weights: nnx.State) -> nnx.State:
     each token. Other parameters (norms' scales and biases, which the norms use in float32;
     adapters) are left as they are. The casts run as one program.
     """
+    if execution.compute_dtype(model.config.dtype) == "float32":
+        return weights  # parameters are float32, and so is what every layer computes in
     dtypes = compute_dtypes(model)
     flat = list(nnx.to_flat_state(weights))
     todo = [(i, jnp.dtype(dtypes[path]).name) for i, (path, variable) in enumerate(flat)
@@ -204,12 +218,20 @@ def _cast(values: list, *, dtypes: tuple[str, ...]) -> list:
     return [v.astype(d) for v, d in zip(values, dtypes)]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "slots", "length", "per_layer",
-                                             "context"))
-def empty_cache(graphdef, weights, *, slots: int, length: int, per_layer: bool, context):
-    """Zeros for every slot's keys and values, laid out by the context's rules."""
-    model = nnx.merge(graphdef, weights)  # its weights are not read: only its shapes
-    return model.init_cache(slots, length, dtype=cache_dtype(model), per_layer=per_layer)
+_EMPTY: dict[tuple, Any] = {}  # the compiled zeros of a cache, by model structure and shape
+
+
+def empty_cache(graphdef, state, *, slots: int, length: int, per_layer: bool):
+    """Zeros for every slot's keys and values, laid out by the active context's rules: one
+    compiled program per model structure, shape and context, which holds no weights (only
+    their shapes)."""
+    key = (graphdef, slots, length, per_layer, sharding.active())
+    if key not in _EMPTY:
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+        model = nnx.merge(graphdef, shapes)
+        _EMPTY[key] = jax.jit(lambda: model.init_cache(slots, length, dtype=cache_dtype(model),
+                                                       per_layer=per_layer))
+    return _EMPTY[key]()
 
 
 def served_weights(model: DecoderLM, graphdef, state, how: str):

@@ -129,9 +129,3 @@ class Request:
     def wants(self) -> int:
         """What the request asks to know of its tokens, as `sampler.choose` takes it."""
         return 2 if self.top else int(self.logprobs)
-
-
-def post_directly(events: list[tuple[Request, Event]]) -> None:
-    """Hand each event to its request's sink on the calling thread (the engine's)."""
-    for request, event in events:
-        request.sink(event)

@@ -42,12 +42,6 @@ class Sampling:
     key: jax.Array
 
     @staticmethod
-    def greedy(rows: int) -> Sampling:
-        return Sampling(temperature=jnp.zeros(rows, jnp.float32),
-                        top_k=jnp.zeros(rows, jnp.int32), top_p=jnp.ones(rows, jnp.float32),
-                        min_p=jnp.zeros(rows, jnp.float32), key=jnp.zeros((rows, 2), jnp.uint32))
-
-    @staticmethod
     def of(settings) -> Sampling:
         """Host arrays for a list of `Settings`-like records (temperature, top_k, top_p, min_p
         and key attributes)."""
@@ -176,13 +170,16 @@ def uniforms(key: jax.Array, count: jax.Array) -> jax.Array:
 
 
 def choose(logits: jax.Array, rows: Sampling, count: jax.Array, active: jax.Array,
-           want: jax.Array):
+           want: int | jax.Array, *, sample: bool | None = None):
     """Each row's next token from float32 logits [S, V]: the argmax where its temperature is 0
     or it is not `active` (an idle or finished row, so that it never makes a step sample), else
     a draw from its filtered distribution with token number `count` [S]. Returns (token [S],
-    its log-probability [S], the TOP likeliest tokens [S, TOP] and theirs); `want` (int32)
-    says which are computed (0: the tokens alone, 1: their log-probabilities too, 2: and the
-    alternatives), the others being zeros: each costs a pass over the vocabulary."""
+    its log-probability [S], the TOP likeliest tokens [S, TOP] and theirs); `want` says which
+    are computed (0: the tokens alone, 1: their log-probabilities too, 2: and the
+    alternatives), the others being zeros: each costs a pass over the vocabulary. `want` and
+    `sample` (whether any row may sample) are decided when traced where they are Python
+    values (a decode program of its own for each: no branch in every step), else at run time
+    (`want` an int32, `sample` None)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling = (rows.temperature > 0) & active
 
@@ -190,24 +187,31 @@ def choose(logits: jax.Array, rows: Sampling, count: jax.Array, active: jax.Arra
         drawn = inverse_cdf(filtered(logits, rows, sampling), uniforms(rows.key, count))
         return jnp.where(sampling, drawn.astype(jnp.int32), greedy)
 
-    token = jax.lax.cond(jnp.any(sampling), draw, lambda: greedy)
+    if sample is None:
+        token = jax.lax.cond(jnp.any(sampling), draw, lambda: greedy)
+    else:
+        token = draw() if sample else greedy
     S = logits.shape[0]
+    none = (jnp.zeros(S, jnp.float32), jnp.zeros((S, TOP), jnp.int32),
+            jnp.zeros((S, TOP), jnp.float32))
 
-    def reported():
+    def reported(alternatives: bool | jax.Array):
         norm = jax.nn.logsumexp(logits, axis=-1)
         chosen = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0] - norm
 
-        def alternatives():
+        def likeliest():
             k = min(TOP, logits.shape[-1])
             values, ids = jax.lax.top_k(logits, k)
             pad = ((0, 0), (0, TOP - k))
             return (jnp.pad(ids.astype(jnp.int32), pad),
                     jnp.pad(values - norm[:, None], pad, constant_values=-jnp.inf))
 
-        return chosen, *jax.lax.cond(want > 1, alternatives, lambda: (
-            jnp.zeros((S, TOP), jnp.int32), jnp.zeros((S, TOP), jnp.float32)))
+        if isinstance(alternatives, bool):
+            return chosen, *(likeliest() if alternatives else none[1:])
+        return chosen, *jax.lax.cond(alternatives, likeliest, lambda: none[1:])
 
-    chosen, top_ids, top_logprobs = jax.lax.cond(want > 0, reported, lambda: (
-        jnp.zeros(S, jnp.float32), jnp.zeros((S, TOP), jnp.int32),
-        jnp.zeros((S, TOP), jnp.float32)))
-    return token, chosen, top_ids, top_logprobs
+    if isinstance(want, int):
+        reports = reported(want > 1) if want else none
+    else:
+        reports = jax.lax.cond(want > 0, lambda: reported(want > 1), lambda: none)
+    return token, *reports

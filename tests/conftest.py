@@ -192,6 +192,8 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+    if "minigpt.decoding.compiled" in sys.modules:  # the decoding engine's own table
+        sys.modules["minigpt.decoding.compiled"].forget()
     gc.collect()
     try:  # and glibc hands the freed pages back to the system rather than keeping them
         import ctypes
@@ -232,6 +234,26 @@ def data_4k(small_stories, tmp_path_factory) -> Path:
 
     return resolve_data([str(small_stories)], tmp_path_factory.mktemp("data-4k"),
                         tokenizer="tinystories-4k")
+
+
+def untrained_run(path: Path, cfg) -> Path:
+    """A run directory holding an untrained model's weights (seed 0) as its checkpoint."""
+    import jax
+    from flax import nnx
+
+    from minigpt.checkpoint import Checkpointer
+    from minigpt.models import build_model
+    from minigpt.runs import RunDir
+
+    run = RunDir(path)
+    run.path.mkdir(parents=True)
+    run.write(cfg, None)
+    checkpointer = Checkpointer(run.checkpoints, async_save=False)
+    checkpointer.save(0, build_model(cfg, rngs=nnx.Rngs(0)), None, data_state={},
+                      rng=jax.random.key(0))
+    checkpointer.wait()
+    checkpointer.close()
+    return run.path
 
 
 def small_vocab(name: str, **changes):

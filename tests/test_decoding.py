@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import small_vocab
+from conftest import small_vocab, untrained_run
 from flax import nnx
 
 from minigpt.decoding.sampler import Sampling, filtered, seed_key
@@ -85,24 +85,9 @@ def test_rows_of_one_batch_draw_with_their_own_settings_and_keys():
     assert alone[0] == drawn[4][2]
 
 
-def make_run(path):
-    from minigpt.checkpoint import Checkpointer
-    from minigpt.runs import RunDir
-
-    run = RunDir(path)
-    run.path.mkdir(parents=True)
-    run.write(MODEL, None)
-    checkpointer = Checkpointer(run.checkpoints, async_save=False)
-    checkpointer.save(0, build_model(MODEL, rngs=nnx.Rngs(0)), None, data_state={},
-                      rng=jax.random.key(0))
-    checkpointer.wait()
-    checkpointer.close()
-    return run.path
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    return make_run(tmp_path_factory.mktemp("decoding") / "run")
+    return untrained_run(tmp_path_factory.mktemp("decoding") / "run", MODEL)
 
 
 @pytest.fixture(scope="module")

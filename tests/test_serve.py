@@ -33,26 +33,6 @@ MODEL = small_vocab("llama-tiny")  # context 128
 SLOTS = 16
 
 
-def make_run(path, cfg=MODEL):
-    """A run directory holding an untrained model's weights as its checkpoint."""
-    import jax
-    from flax import nnx
-
-    from minigpt.checkpoint import Checkpointer
-    from minigpt.models import build_model
-    from minigpt.runs import RunDir
-
-    run = RunDir(path)
-    run.path.mkdir(parents=True)
-    run.write(cfg, None)
-    checkpointer = Checkpointer(run.checkpoints, async_save=False)
-    checkpointer.save(0, build_model(cfg, rngs=nnx.Rngs(0)), None, data_state={},
-                      rng=jax.random.key(0))
-    checkpointer.wait()
-    checkpointer.close()
-    return run.path
-
-
 @pytest.fixture(scope="module")
 def server():
     """The tiny model served on one device: what is checked is the server and its engine,

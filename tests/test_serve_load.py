@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env, small_vocab
-from test_serve import make_run
+from conftest import child_env, small_vocab, untrained_run
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("fastapi", reason="the web stack is the [serve] extra")
@@ -42,7 +41,7 @@ PROMPTS = [list(range(100 + 7 * i, 100 + 7 * i + 1 + (i * 5) % 40)) for i in ran
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The command line serving a run; yields (process, url, run directory)."""
-    run = make_run(tmp_path_factory.mktemp("serve-load") / "stories", MODEL)
+    run = untrained_run(tmp_path_factory.mktemp("serve-load") / "stories", MODEL)
     process = subprocess.Popen(
         [sys.executable, "-m", "minigpt.serve", "--run", str(run), "--port", "0", "--preset",
          "fsdp", "--devices", "2", "--max-batch", str(SLOTS)],
@@ -145,7 +144,10 @@ def test_64_streaming_clients_eight_rounds_all_correct_no_slot_leaked_memory_fla
     print(f"rounds: {', '.join(f'{t:.1f} s' for t in times)}; server RSS after each: "
           f"{', '.join(f'{r / 2**20:.0f} MiB' for r in rss)}; programs: {programs}")
     assert max(times) < 60, times
-    assert programs[-1] <= 10  # the step and a few prefill buckets
+    # Decode programs: 3 row counts (1, 4, 16) x greedy or sampling x what they report, of
+    # which this load (greedy, with log-probabilities) uses its own three beside the four
+    # compiled ahead; and a few prefill buckets.
+    assert programs[-1] <= 16, programs
     # Flat from round 2 on, but for compiles. A prefill shape first met (how many prompts
     # arrive together, how long) compiles in the background, about 13 MiB each here, and a
     # round waits for those (`settled`); an arrival pattern first met in a late round may add

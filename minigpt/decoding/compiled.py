@@ -31,6 +31,7 @@ from flax import nnx
 
 from minigpt import sharding
 from minigpt.decoding.programs import (
+    EMPTY,
     HOWS,
     STOP_IDS,
     Slots,
@@ -63,6 +64,14 @@ class _Key:
     def __eq__(self, other) -> bool:
         return self is other or (isinstance(other, _Key) and self.hash == other.hash
                                  and self.parts == other.parts)
+
+
+def forget() -> None:
+    """Drop every compiled program the process keeps (as `jax.clear_caches` drops JAX's own):
+    what a long-lived process, or a test run, calls between models it is done with."""
+    with _table_lock:
+        _TABLE.clear()
+    EMPTY.clear()
 
 
 def _signature(tree) -> tuple:

@@ -218,7 +218,7 @@ def _cast(values: list, *, dtypes: tuple[str, ...]) -> list:
     return [v.astype(d) for v, d in zip(values, dtypes)]
 
 
-_EMPTY: dict[tuple, Any] = {}  # the compiled zeros of a cache, by model structure and shape
+EMPTY: dict[tuple, Any] = {}  # the compiled zeros of a cache, by model structure and shape
 
 
 def empty_cache(graphdef, state, *, slots: int, length: int, per_layer: bool):
@@ -226,12 +226,12 @@ def empty_cache(graphdef, state, *, slots: int, length: int, per_layer: bool):
     compiled program per model structure, shape and context, which holds no weights (only
     their shapes)."""
     key = (graphdef, slots, length, per_layer, sharding.active())
-    if key not in _EMPTY:
+    if key not in EMPTY:
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
         model = nnx.merge(graphdef, shapes)
-        _EMPTY[key] = jax.jit(lambda: model.init_cache(slots, length, dtype=cache_dtype(model),
+        EMPTY[key] = jax.jit(lambda: model.init_cache(slots, length, dtype=cache_dtype(model),
                                                        per_layer=per_layer))
-    return _EMPTY[key]()
+    return EMPTY[key]()
 
 
 def served_weights(model: DecoderLM, graphdef, state, how: str):

@@ -16,8 +16,9 @@ call's tokens in one chunk: tokens/chunk says how many on average). Offline is
 `generate_tokens` on the batch of the same prompts, compiled beforehand, no early stop, run
 after each round on minigpt.serve (the fastest of `--repeats` each: the machine's load may
 change over minutes, and alternating weighs it on both). Every server gets a warm-up round
-first; a round slower than `--limit` is stopped and counted as far as it got; transformers
-serve runs each load once.
+first (each load of 4 tokens, then a wait until /health lists nothing compiling); a round
+slower than `--limit` is stopped and counted as far as it got; transformers serve runs each
+load once.
 
     python bench/bench_serve.py [--models stories-cpu smol-135m] [--clients 1 4 16 64]
         [--new-tokens 128] [--repeats 2] [--limit 600] [--no-transformers] [--no-append]
@@ -186,6 +187,18 @@ def wait_for(process: subprocess.Popen, url: str | None, pattern: str | None, lo
     raise RuntimeError(f"the server did not start in {seconds} s: {log.read_text()[-2000:]}")
 
 
+def settle(url: str, seconds: float = 300) -> None:
+    """Wait until a server's /health lists nothing compiling (minigpt.serve's; a server
+    without the field has nothing to wait for)."""
+    import httpx
+
+    began = time.monotonic()
+    while time.monotonic() - began < seconds:
+        if not httpx.get(f"{url}/health", timeout=5).json().get("compiling"):
+            return
+        time.sleep(0.5)
+
+
 def measure_server(command: list[str], log: Path, model: str, clients_list, new_tokens: int,
                    limit: float, *, url: str | None = None, pattern: str | None = None,
                    env=None, extra: dict | None = None, beside=None, repeats: int = 1) -> dict:
@@ -198,8 +211,12 @@ def measure_server(command: list[str], log: Path, model: str, clients_list, new_
     results = {}
     try:
         url = wait_for(process, url, pattern, log)
-        # The warm-up compiles what the loads meet (minigpt.serve: prefills by prompt count).
-        asyncio.run(load(url, model, max(clients_list), 4, limit, extra or {}))
+        # The warm-up meets what the loads meet (minigpt.serve compiles its prefills by prompt
+        # count and its decode programs by rows in use, in the background), and the rounds
+        # begin once nothing compiles: they measure serving, not compiling.
+        for c in sorted(clients_list, reverse=True):
+            asyncio.run(load(url, model, c, 4, limit, extra or {}))
+        settle(url)
         for c in clients_list:
             rounds, besides = [], []
             for _ in range(repeats):

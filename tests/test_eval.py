@@ -21,6 +21,7 @@ Needs lm-evaluation-harness (the [eval] extra) and torch, transformers and sente
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -304,13 +305,25 @@ def test_text_on_the_command_line_and_json(llama, tmp_path, capsys):
                  "unknown task hellaswog (did you mean hellaswag", marks=pytest.mark.slow),
     (["--run", "{run}", "--tasks", "llama_mc", "--include-path", "{missing}"], "not a folder"),
     (["--run", "{run}", "--text", "{binary}"], "not UTF-8"),
+    (["--run", "{run}", "--text", "{folder}"], "is a folder, not a text file"),
+    (["--run", "{run}", "--tasks", "llama_mc", "--include-path", "{tasks}", "--limit", "-1"],
+     "--limit must be a number of documents (1 or more) or a fraction"),
+    (["--run", "{run}", "--tasks", "llama_mc", "--include-path", "{tasks}", "--limit", "0"],
+     "--limit must be"),
+    (["--run", "{run}", "--tasks", "llama_mc", "--include-path", "{broken}"],
+     "llama_mc.jsonl:3 is not a JSON object per line"),
 ])
 def test_a_users_mistake_is_one_line_and_status_2(llama, tmp_path, capsys, args, says):
     (tmp_path / "story.txt").write_text(STORY)
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00story")
+    broken = tmp_path / "broken"
+    shutil.copytree(llama["tasks"], broken)
+    (data,) = broken.glob("llama_mc.jsonl")
+    data.write_text("\n".join([*data.read_text().splitlines()[:2], '{"question": "cut']) + "\n")
     places = {"missing": str(tmp_path / "nowhere"), "text": str(tmp_path / "story.txt"),
               "run": str(llama["run"]), "tasks": str(llama["tasks"]),
-              "binary": str(tmp_path / "binary.txt")}
+              "binary": str(tmp_path / "binary.txt"), "folder": str(tmp_path),
+              "broken": str(broken)}
     refused(capsys, main([a.format(**places) for a in args]), says)
 
 

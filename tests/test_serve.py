@@ -208,6 +208,9 @@ def test_stop_strings_n_and_seeds(server, client):
                                          temperature=1.0, top_p=0.9, seed=seed).choices[0].text
 
     assert sample(5) == sample(5) != sample(6)
+    # Seeds are taken modulo 2^32, as jax.random.key takes them: OpenAI's clients send 64-bit
+    # integers, and -1 is 2^32 - 1.
+    assert sample(-1) == sample(2**32 - 1) == sample(2**63 + 2**32 - 1)
 
 
 def post(server, path, body, **headers):
@@ -236,6 +239,11 @@ BAD = [  # (path, body, status, words of the message)
     ("/v1/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs must be in [0, 5]"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, "not supported"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1.2}, 400, "not supported"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 1.5}, 400, "seed must be an integer"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k must be at least -1"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p must be in [0, 1]"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist here"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
@@ -317,12 +325,23 @@ def test_an_api_key_is_asked_for_where_set_and_required_off_loopback(server, mon
         Server(server.service, "0.0.0.0", 0)
 
 
-def test_the_command_line_refuses_an_exposed_host_without_a_key_before_loading(tmp_path,
-                                                                               capsys):
+def test_the_command_line_refuses_an_exposed_host_a_bad_or_taken_port_before_loading(
+        tmp_path, capsys):
+    import socket
+
     from minigpt.serve.cli import main
 
     assert main(["--run", str(tmp_path / "nothing"), "--host", "0.0.0.0"]) == 2
     assert "give an --api-key" in capsys.readouterr().err
+    for port in ("99999", "-1"):
+        assert main(["--run", str(tmp_path / "nothing"), "--port", port]) == 2
+        assert "--port must be from 0 to 65535" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["--run", str(tmp_path / "nothing"), "--port", port]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 def test_the_chat_page_is_served_from_the_package(server):

@@ -228,6 +228,22 @@ def test_a_record_without_the_text_field_is_refused_and_nothing_is_left(tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_a_damaged_parquet_row_group_and_a_negative_worker_count_are_refused(tmp_path,
+                                                                          capsys):
+    source = write_parquet(tmp_path / "c.parquet", [t * 20 for t in documents(400, seed=5)])
+    raw = bytearray(source.read_bytes())
+    middle = len(raw) // 2  # inside a row group's pages; the footer at the end stays intact
+    raw[middle:middle + 16] = bytes(16)
+    source.write_bytes(bytes(raw))
+    refused(capsys, main(["prepare", "--source", str(source), "--out", str(tmp_path / "out"),
+                          "--workers", "1"]),
+            "c.parquet: the rows from", "cannot be read", "the file is damaged")
+    assert not (tmp_path / "out").exists()
+    refused(capsys, main(["prepare", "--source", str(source), "--out", str(tmp_path / "out"),
+                          "--workers", "-1"]), "--workers must be at least 1")
+    assert not (tmp_path / "out").exists()
+
+
 def test_damaged_shards_are_refused_in_one_line(tmp_path, capsys):
     prepare(write_jsonl(tmp_path / "c.jsonl", documents(100, seed=8)), tmp_path / "out")
     shard = tmp_path / "out" / "train-000001.bin"

@@ -227,3 +227,53 @@ def test_a_large_corpus_is_read_all_over_while_memory_stays_flat(tmp_path):
             peak = max(peak, process.memory_info().rss)
     assert seen.min() > 0  # windows from every part of the folder
     assert peak - before < 300e6, f"resident memory grew by {(peak - before) / 1e6:.0f} MB"
+
+
+def test_a_changed_shard_or_corpus_is_refused_and_the_run_is_left_as_it_was(corpus_4k, tmp_path,
+                                                                            capsys):
+    from conftest import refused, snapshot
+    from test_shards import documents, write_jsonl
+
+    from minigpt.data.cli import main as data
+    from minigpt.data.prepare_source import prepare_source
+    from minigpt.data.token_files import DataError
+
+    corpus = Path(shutil.copytree(corpus_4k, tmp_path / "corpus"))
+    assert data(["verify", str(corpus)]) == 0
+    assert "shards match their checksums" in capsys.readouterr().out
+    config = TrainConfig(preset="dp", model="minigpt-tiny", data=(str(corpus),),
+                         out=str(tmp_path / "run"), steps=2, batch_size=8, seq_len=32,
+                         eval_every=2, eval_batches=1, save_every=2)
+    minigpt.train(MODEL, config, sample=False)
+    capsys.readouterr()
+    before = snapshot(tmp_path / "run")
+    resume = dataclasses.replace(config, steps=4)
+    # 16 bytes of a shard's tokens changed: verify names it, and so does a resumed run.
+    shard = corpus / "train-000002.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[2000:2016] = bytes(range(16))
+    shard.write_bytes(bytes(raw))
+    refused(capsys, data(["verify", str(corpus)]), "train-000002.bin is not the shard that was "
+                                                   "prepared", "prepare")
+    with pytest.raises(DataError, match="train-000002.bin is not the shard that was prepared"):
+        minigpt.train(MODEL, resume, resume=True, sample=False)
+    assert snapshot(tmp_path / "run") == before
+    # The folder deleted and prepared again from other text under the same path.
+    shutil.rmtree(corpus)
+    prepare_source(str(write_jsonl(tmp_path / "other.jsonl", documents(700, seed=12))), corpus,
+                   tokenizer="tinystories-4k", shard_tokens=2000, workers=1, progress=False)
+    with pytest.raises(DataError, match="is not the corpus this run started on"):
+        minigpt.train(MODEL, resume, resume=True, sample=False)
+    assert snapshot(tmp_path / "run") == before
+    # Ids past the vocabulary in shards that keep no checksums (prepared before they were
+    # kept) never reach the model: the loader refuses the batch.
+    meta = json.loads((corpus / "meta.json").read_text())
+    del meta["checksums"]
+    (corpus / "meta.json").write_text(json.dumps(meta))
+    raw = bytearray((corpus / "train-000000.bin").read_bytes())
+    raw[shards.HEADER_BYTES:shards.HEADER_BYTES + 4000] = b"\xff" * 4000  # ids 65535
+    (corpus / "train-000000.bin").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="holds token id 65535, past its tokenizer's 4096 ids"):
+        for _ in batch_iterator(corpus, "train", seq_len=32, batch_size=64, seed=0,
+                                shuffle=False, num_epochs=1):
+            pass

@@ -1,5 +1,5 @@
-"""`python -m minigpt.data`: prepare a dataset or any corpus, look inside a prepared folder,
-train a vocabulary, or show what chat fine-tuning trains on.
+"""`python -m minigpt.data`: prepare a dataset or any corpus, look inside a prepared folder or
+check its shards' bytes, train a vocabulary, or show what chat fine-tuning trains on.
 
     python -m minigpt.data prepare --dataset tinystories [--version v1|v2] [--out data/]
     python -m minigpt.data prepare --text FILE... [--val-fraction 0.1] [--out data/]
@@ -7,6 +7,7 @@ train a vocabulary, or show what chat fine-tuning trains on.
         [--text-field text] [--shard-tokens N] [--workers N] [--val-fraction 0.1]
     (each with --tokenizer gpt2|tinystories-4k|FILE.tiktoken|FOLDER; default gpt2)
     python -m minigpt.data inspect DIR [--json] [--doc N]
+    python -m minigpt.data verify DIR
     python -m minigpt.data tokenizer --vocab-size N --text FILE... --out FILE.tiktoken
     python -m minigpt.data sft --run RUN --data chats.jsonl [--show N] [--json]
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import minigpt.data.chats as chats
 from minigpt import chat_template
-from minigpt.data.corpus import describe, open_corpus
+from minigpt.data.corpus import describe, open_corpus, verify
 from minigpt.data.prepare_source import DEFAULT_SHARD_TOKENS, DEFAULT_VAL_FRACTION, prepare_source
 from minigpt.data.sources import prepare_text, prepare_tinystories
 from minigpt.data.token_files import DataError, load_meta
@@ -75,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="gpt2 (default), tinystories-4k, or a .tiktoken ranks file")
     prep.add_argument("--out", default=None,
                       help="root directory (default: data); with --source, the corpus's folder")
+    check = commands.add_parser("verify", help="check every shard of a prepared folder "
+                                               "against the checksums its meta.json records")
+    check.add_argument("folder", metavar="DIR")
     look = commands.add_parser("inspect", help="what a prepared folder holds: tokenizer, "
                                                "counts, shards, a document's ids")
     look.add_argument("folder", metavar="DIR")
@@ -108,6 +112,8 @@ def _command(args: argparse.Namespace) -> int:
         return _sft_command(args)
     if args.command == "inspect":
         return _inspect_command(args)
+    if args.command == "verify":
+        return _verify_command(args)
     load_tokenizer(args.tokenizer)  # a bad name fails before any download
     if args.source:
         return _source_command(args)
@@ -139,6 +145,22 @@ def _summary(out, meta: dict) -> None:
                 + (f", {shards} shard{'s' * (shards != 1)})" if shards is not None else ")"))
 
     print(f"{out}: {split('train')}, {split('val')}, tokenizer {meta['tokenizer']}")
+
+
+def _verify_command(args: argparse.Namespace) -> int:
+    corpus = open_corpus(args.folder)  # the headers and counts first
+    checked, problems = verify(corpus)
+    if problems:
+        raise DataError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)"
+                                            if len(problems) > 1 else "")
+                        + f": prepare {args.folder} again")
+    if not checked:
+        print(f"{args.folder}: its headers and counts agree; it keeps no checksums (prepared "
+              f"before they were kept, or a folder of the one-file layout), so its tokens "
+              f"cannot be checked")
+        return 0
+    print(f"{args.folder}: {checked} shard{'s' * (checked != 1)} match their checksums")
+    return 0
 
 
 def _inspect_command(args: argparse.Namespace) -> int:

@@ -20,6 +20,8 @@ together rather than one by one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import mmap
 from fractions import Fraction
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from minigpt.data.shards import ShardHeader, document_index, read_header
+from minigpt.data.shards import ShardHeader, document_index, file_checksum, read_header
 from minigpt.data.token_files import SPLITS, DataError, load_meta, split_path, token_file_problem
 
 SHARDS = "shards"  # meta.json's "kind" for a sharded corpus
@@ -282,6 +284,40 @@ def _checked_shards(path: Path, meta: dict[str, Any], split: str) -> list[ShardH
         raise DataError(f"the {split} shards of {path} hold {first:,} tokens, but meta.json "
                         f"records {meta[f'{split}_tokens']:,}: {again}")
     return headers
+
+
+def verify(corpus: Corpus) -> tuple[int, list[str]]:
+    """Check every shard's bytes against the sha256 meta.json records (a corpus prepared with
+    `--source` since checksums were kept): (shards checked, the problems found, one line each).
+    A folder of the one-file layout, or shards prepared before checksums, has none to check."""
+    checksums = corpus.meta.get("checksums")
+    if not corpus.sharded or not isinstance(checksums, dict):
+        return 0, []
+    problems, checked = [], 0
+    for split in SPLITS:
+        for header in corpus.shards[split]:
+            name = header.path.name
+            if name not in checksums:
+                problems.append(f"{header.path} has no checksum in meta.json")
+            elif file_checksum(header.path) != checksums[name]:
+                problems.append(f"{header.path} is not the shard that was prepared (its bytes "
+                                f"differ from the checksum in meta.json)")
+            checked += 1
+    return checked, problems
+
+
+def fingerprint(corpus: Corpus) -> str:
+    """What a run records of the corpus it trains on, to know it again: the shards' checksums
+    where meta.json keeps them, else meta.json's counts and the token files' sizes."""
+    meta = corpus.meta
+    if isinstance(meta.get("checksums"), dict):
+        basis: Any = sorted(meta["checksums"].items())
+    else:
+        basis = [meta.get(k) for k in ("tokenizer", "vocab_hash", "train_tokens", "val_tokens",
+                                       "train_documents", "val_documents")]
+        basis += [split_path(corpus.path, split).stat().st_size
+                  if split_path(corpus.path, split).is_file() else None for split in SPLITS]
+    return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()
 
 
 def describe(corpus: Corpus) -> dict[str, Any]:

@@ -76,8 +76,10 @@ class Windows:
     (`len`, `[i]`); `gather` reads many windows at once into [b, T] arrays."""
 
     def __init__(self, tokens: TokenStream, seq_len: int,
-                 documents: tuple[int, int | None] | None):
+                 documents: tuple[int, int | None] | None, vocab_size: int | None = None,
+                 where: str = "the corpus"):
         self.tokens, self.seq_len, self.documents = tokens, seq_len, documents
+        self.vocab_size, self.where = vocab_size, where
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -91,6 +93,11 @@ class Windows:
 
     def gather(self, windows: np.ndarray) -> dict[str, np.ndarray]:
         chunk = self.tokens.windows(windows * self.seq_len, self.seq_len + 1)  # [b, T+1]
+        if self.vocab_size is not None and chunk.size and int(chunk.max()) >= self.vocab_size:
+            raise DataError(f"{self.where} holds token id {int(chunk.max())}, past its "
+                            f"tokenizer's {self.vocab_size} ids: it was changed after it was "
+                            f"prepared (python -m minigpt.data verify says which shard); "
+                            f"prepare it again")
         batch = {"inputs": np.ascontiguousarray(chunk[:, :-1]),   # [b, T]
                  "targets": np.ascontiguousarray(chunk[:, 1:])}   # [b, T]
         if self.documents is not None:
@@ -142,7 +149,8 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
     else:
         corpus = open_corpus(data_dir)
         order = IndexShuffle if corpus.sharded else order
-        windows = Windows(corpus.stream(split), seq_len, documents)
+        windows = Windows(corpus.stream(split), seq_len, documents,
+                          vocab_size=corpus.meta.get("vocab_size"), where=str(data_dir))
         num_windows = len(windows)
         if num_windows < batch_size:
             raise DataError(

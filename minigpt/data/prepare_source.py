@@ -35,6 +35,7 @@ from minigpt.data.corpus import SHARDS, open_corpus
 from minigpt.data.prepare import separating_tokenizer
 from minigpt.data.shards import (
     ShardWriter,
+    file_checksum,
     pack_header,
     read_header,
     token_dtype,
@@ -64,6 +65,9 @@ def prepare_source(source: str | readers.Source, out: str | Path, *,
     out = Path(out)
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be positive, got {shard_tokens}")
+    if workers is not None and workers < 1:
+        raise DataError(f"--workers must be at least 1 (or left out: every core), got "
+                        f"{workers}")
     if not 0 < val_fraction < 1:
         raise DataError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     if out.exists() and not out.is_dir():
@@ -242,6 +246,9 @@ class _Run:
             headers = [read_header(self.out / name) for name in names[split]]
             meta[f"{split}_tokens"] = sum(h.tokens for h in headers)
             meta[f"{split}_documents"] = sum(h.documents for h in headers)
+        # Each shard's sha256, which `verify` and every training run check its bytes against.
+        meta["checksums"] = {name: file_checksum(self.out / name)
+                             for split in SPLITS for name in names[split]}
         write_meta(self.out, meta)
         (self.out / PROGRESS).unlink(missing_ok=True)
         open_corpus(self.out)

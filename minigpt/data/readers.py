@@ -191,12 +191,20 @@ def _parquet_tasks(index: int, path: Path, text_field: str, batch: int):
         raise DataError(f"{path} has no column {text_field!r} (it has {', '.join(columns)}): "
                         f"--text-field names the column that holds the text")
     size = max(1, path.stat().st_size // max(1, parquet.metadata.num_rows) * PARQUET_ROWS)
-    for number, rows in enumerate(parquet.iter_batches(batch_size=PARQUET_ROWS,
-                                                       columns=[text_field])):
-        if number < batch:
-            continue
-        yield ({"file": index, "batch": number}, "texts", rows.column(0).to_pylist(),
-               f"{path}, rows from {number * PARQUET_ROWS}", size)
+    batches, number = parquet.iter_batches(batch_size=PARQUET_ROWS, columns=[text_field]), 0
+    while True:
+        try:
+            rows = next(batches)
+        except StopIteration:
+            return
+        except Exception as error:  # a damaged row group: pyarrow's own errors, or OSError
+            raise DataError(f"{path}: the rows from {number * PARQUET_ROWS:,} on cannot be read "
+                            f"({error}): the file is damaged; replace it or leave it out of "
+                            f"--source") from None
+        if number >= batch:
+            yield ({"file": index, "batch": number}, "texts", rows.column(0).to_pylist(),
+                   f"{path}, rows from {number * PARQUET_ROWS}", size)
+        number += 1
 
 
 def _dataset_tasks(source: Source, text_field: str, skip: int):

@@ -44,6 +44,15 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return _DTYPES[2] if vocab_size <= 1 << 16 else _DTYPES[4]
 
 
+def file_checksum(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:06d}.bin"
 

@@ -80,6 +80,9 @@ def _main(args: argparse.Namespace) -> int:
 
 def _text(args: argparse.Namespace) -> int:
     for file in args.text:
+        if Path(file).is_dir():
+            raise EvalError(f"--text {file} is a folder, not a text file: give the files in it "
+                            f"(--text {Path(file) / '*.txt'})")
         if not Path(file).is_file():
             raise EvalError(f"--text {file}: no such file")
     evaluated = load(args.run, args.preset)
@@ -114,6 +117,11 @@ def _tasks(args: argparse.Namespace) -> int:
         raise EvalError(f"--tasks needs {INSTALL}") from None
     if args.include_path and not Path(args.include_path).is_dir():
         raise EvalError(f"--include-path {args.include_path} is not a folder of task YAML files")
+    if args.limit is not None and not args.limit > 0:
+        raise EvalError(f"--limit must be a number of documents (1 or more) or a fraction of "
+                        f"them (between 0 and 1), got {args.limit:g}")
+    if args.include_path:
+        _check_json_lines(Path(args.include_path))
     if args.log_samples and not args.out:
         raise EvalError("--log-samples writes its files into --out DIR: give one")
     if args.out:
@@ -169,6 +177,23 @@ def _harness_failures(evaluate):
         raise EvalError(f"cannot fetch a task's data ({type(error).__name__}: {detail}): the "
                         f"harness downloads its tasks' data from the Hugging Face Hub; offline, "
                         f"give tasks of your own with --include-path") from None
+
+
+def _check_json_lines(folder: Path) -> None:
+    """Every JSON-lines file of a task folder parses, line by line: the harness's reader says
+    only "Expected object or value at position 37", naming neither the file nor the line."""
+    for path in sorted(folder.rglob("*.jsonl")):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise EvalError(f"{path} cannot be read as UTF-8 text ({error})") from None
+        for number, line in enumerate(lines, 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError as error:
+                raise EvalError(f"{path}:{number} is not a JSON object per line ({error}): fix "
+                                f"or remove that line of the task's data") from None
 
 
 def _check_writable(out: Path) -> None:

@@ -10,6 +10,9 @@ tokenizer: the figure bench/bench_stories.py gives held-out stories and the READ
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,10 @@ import minigpt.data.chats as chats
 import minigpt.optim.steps as steps
 from minigpt import chat_template, sharding
 from minigpt.config import TrainConfig
+from minigpt.data.corpus import fingerprint, open_corpus, verify
 from minigpt.data.documents import text_targets
 from minigpt.data.loader import batch_iterator
+from minigpt.data.token_files import DataError, load_meta
 from minigpt.runs import RunDir
 
 
@@ -40,6 +45,38 @@ def for_chats(tokenizer, cfg: TrainConfig, *, resume: bool, say) -> tuple[Any, d
     if isinstance(rendering, chat_template.Templated):
         return rendering, {"chat_template": rendering.chat_template}
     return rendering, {}
+
+
+def corpus_fingerprint(data_dir: Path, say) -> str:
+    """The corpus a run trains on, checked and known again: every shard's bytes against the
+    checksums its preparation recorded (a changed shard is refused, naming it), and a
+    fingerprint the run keeps in config.json, which its resumes compare."""
+    meta = load_meta(data_dir)
+    if meta.get("kind") == "chats":  # conversations prepared for this run: their meta.json
+        return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    corpus = open_corpus(data_dir)
+    began = time.monotonic()
+    checked, problems = verify(corpus)
+    if problems:
+        raise DataError(f"{problems[0]}: prepare {data_dir} again (python -m minigpt.data "
+                        f"verify {data_dir} checks every shard)")
+    if checked:
+        say(f"checked the {checked} shard{'s' * (checked != 1)} of {data_dir} against their "
+            f"checksums in {time.monotonic() - began:.1f} s")
+    return fingerprint(corpus)
+
+
+def resumed_record(saved: dict[str, Any], current: dict[str, Any], data_dir: Path
+                   ) -> dict[str, Any]:
+    """What a resumed run records: the saved record (the time budget's decisions, and more)
+    with this run's entries over it. A corpus other than the one the run started on is
+    refused (DataError); a run from before fingerprints were kept goes on as it is."""
+    before, now = saved.get("data_fingerprint"), current.get("data_fingerprint")
+    if before is not None and now is not None and before != now:
+        raise DataError(f"{data_dir} is not the corpus this run started on (it was prepared "
+                        f"again from other text, or its files changed): resume with the corpus "
+                        f"it started on, or start a new run (another --out)")
+    return {**saved, **current}
 
 
 def documents(tokenizer, cfg: TrainConfig) -> tuple[int, int | None] | None:

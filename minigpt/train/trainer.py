@@ -159,8 +159,8 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, settled: resolved.
     devices = {"platform": jax.devices()[0].platform, "count": jax.device_count(),
                "processes": jax.process_count()}
     record = {"preset": layout.name, "tokenizer": meta["tokenizer"], "data_dir": str(data_dir),
-              "devices": devices, **chat_record,
-              **({} if resume else state.record(train_cfg, base))}
+              "data_fingerprint": batches.corpus_fingerprint(data_dir, log), "devices": devices,
+              **chat_record, **({} if resume else state.record(train_cfg, base))}
     return Run(model_cfg=model_cfg, train_cfg=train_cfg, settled=settled, dir=run_dir,
                layers=pipeline.LayerOrder(layout, model_cfg.num_layers), data_dir=data_dir,
                model=model, optimizer=optimizer, checkpointer=checkpointer,
@@ -189,7 +189,7 @@ def settle(run: Run, *, resume: bool) -> None:
     cfg = run.train_cfg
     if resume:
         saved = run.dir.read()
-        run.record = {**saved.record, **run.record}  # the time budget's decisions, and more
+        run.record = batches.resumed_record(saved.record, run.record, run.data_dir)
         if not (cfg.steps == saved.train.steps or cfg.decay_steps or cfg.time_budget
                 or saved.train.time_budget):
             if cfg.steps < run.step:

@@ -192,3 +192,11 @@ def test_evaluations_greedy_generations_are_generates(run, loaded):
             tokens = generate_tokens(loaded.model, [ids], max_new_tokens=NEW, temperature=0.0,
                                      stop_ids=lm.vocab.stop_ids)[0]
             assert answer == loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+    # Its scores too are those of the same weights without FP8.
+    context, continuation = [5, 900, 31, 2048], [7, 77, 1234]
+    [(score, _)] = lm._loglikelihood_tokens([(None, context, continuation)])
+    plain = build_model(dataclasses.replace(MODEL, fp8=False), rngs=nnx.Rngs(0))
+    logits = jax.jit(lambda m, x: m(x))(plain, jnp.asarray([context + continuation]))[0]
+    own = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    assert score == pytest.approx(sum(own[len(context) - 1 + i, t]
+                                      for i, t in enumerate(continuation)), abs=1e-5)

@@ -320,3 +320,20 @@ def test_a_larger_corpus_in_many_tasks_reads_back_exactly(tmp_path, monkeypatch)
         assert np.array_equal(stream.read(0, len(stream)),
                               np.concatenate([np.array(ids, np.uint16) for ids in mine]))
     assert meta["train_documents"] + meta["val_documents"] == len(texts)
+
+
+def test_a_full_disk_names_the_shard_it_could_not_write(tmp_path, capsys, monkeypatch):
+    import errno
+    import io
+
+    import minigpt.data.shards as shards_module
+
+    class Full(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards_module, "open", lambda path, mode: Full(), raising=False)
+    source = write_jsonl(tmp_path / "c.jsonl", documents(50, seed=3))
+    refused(capsys, main(["prepare", "--source", str(source), "--out", str(tmp_path / "out"),
+                          "--workers", "1"]),
+            f"cannot write {tmp_path / 'out'}/", ".bin.tmp: No space left on device")

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from minigpt.data.shards import ShardHeader, document_index, file_checksum, read_header
+from minigpt.data.shards import ShardHeader, document_index, read_header, tokens_checksum
 from minigpt.data.token_files import SPLITS, DataError, load_meta, split_path, token_file_problem
 
 SHARDS = "shards"  # meta.json's "kind" for a sharded corpus
@@ -299,8 +299,8 @@ def verify(corpus: Corpus) -> tuple[int, list[str]]:
             name = header.path.name
             if name not in checksums:
                 problems.append(f"{header.path} has no checksum in meta.json")
-            elif file_checksum(header.path) != checksums[name]:
-                problems.append(f"{header.path} is not the shard that was prepared (its bytes "
+            elif tokens_checksum(header.path) != checksums[name]:
+                problems.append(f"{header.path} is not the shard that was prepared (its tokens "
                                 f"differ from the checksum in meta.json)")
             checked += 1
     return checked, problems
@@ -311,7 +311,7 @@ def fingerprint(corpus: Corpus) -> str:
     where meta.json keeps them, else meta.json's counts and the token files' sizes."""
     meta = corpus.meta
     if isinstance(meta.get("checksums"), dict):
-        basis: Any = sorted(meta["checksums"].items())
+        basis: Any = [meta.get("vocab_hash"), sorted(meta["checksums"].items())]
     else:
         basis = [meta.get(k) for k in ("tokenizer", "vocab_hash", "train_tokens", "val_tokens",
                                        "train_documents", "val_documents")]

@@ -35,10 +35,10 @@ from minigpt.data.corpus import SHARDS, open_corpus
 from minigpt.data.prepare import separating_tokenizer
 from minigpt.data.shards import (
     ShardWriter,
-    file_checksum,
     pack_header,
     read_header,
     token_dtype,
+    tokens_checksum,
     vocabulary_hash,
 )
 from minigpt.data.token_files import SPLITS, DataError, load_meta, write_meta
@@ -246,8 +246,8 @@ class _Run:
             headers = [read_header(self.out / name) for name in names[split]]
             meta[f"{split}_tokens"] = sum(h.tokens for h in headers)
             meta[f"{split}_documents"] = sum(h.documents for h in headers)
-        # Each shard's sha256, which `verify` and every training run check its bytes against.
-        meta["checksums"] = {name: file_checksum(self.out / name)
+        # Each shard's tokens' sha256, which `verify` and every training run check them against.
+        meta["checksums"] = {name: tokens_checksum(self.out / name)
                              for split in SPLITS for name in names[split]}
         write_meta(self.out, meta)
         (self.out / PROGRESS).unlink(missing_ok=True)

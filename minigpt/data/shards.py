@@ -17,6 +17,7 @@ when complete, so a killed preparation leaves only whole shards behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -44,10 +45,25 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return _DTYPES[2] if vocab_size <= 1 << 16 else _DTYPES[4]
 
 
-def file_checksum(path: str | Path) -> str:
-    """sha256 (hex) of a file's bytes, read in blocks."""
+@contextlib.contextmanager
+def _naming(path: Callable[[], Path]):
+    """A failed write (a full disk) names the file it was writing: a write's OSError has no
+    file name of its own."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path())) from error
+
+
+def tokens_checksum(path: str | Path) -> str:
+    """sha256 (hex) of a shard's tokens and document index (what follows its header, which
+    `read_header` checks on its own and which names the tokenizer by a path that may differ
+    between two preparations of the same text), read in blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
         while block := f.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
@@ -205,6 +221,11 @@ class ShardWriter:
             self._done = (int(ordinals[-1]), stream_start + len(tokens))
 
     def _write(self, piece: np.ndarray, starts, ordinals, stream_start: int, at: int) -> None:
+        with _naming(lambda: self._tmp):
+            self._write_piece(piece, starts, ordinals, stream_start, at)
+
+    def _write_piece(self, piece: np.ndarray, starts, ordinals, stream_start: int,
+                     at: int) -> None:
         if self._file is None:
             self._tmp = self.folder / (shard_name(self.split, self.shards) + ".tmp")
             self._file = open(self._tmp, "wb")
@@ -226,6 +247,10 @@ class ShardWriter:
         self.complete = self._done
 
     def _close_shard(self) -> None:
+        with _naming(lambda: self._tmp):
+            self._close()
+
+    def _close(self) -> None:
         starts = np.concatenate(self._starts) if self._starts else np.zeros(0, np.uint64)
         ordinals = np.concatenate(self._ordinals) if self._ordinals else np.zeros(0, np.uint64)
         tokens = self.position - self._shard_first

@@ -154,10 +154,17 @@ class Programs:
         state, placed as every program hands them back."""
         with self.context():
             cache = self._empty()
+            # The weights' devices: a model laid out by a preset may be decoded outside its
+            # layout's context, where the cache would otherwise be made on one device.
+            weights = jax.tree.leaves(self.weights)[0].sharding
             placed = jax.tree.leaves(cache)[0].sharding
-            self._replicated = (
-                jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec())
-                if isinstance(placed, jax.sharding.NamedSharding) else placed)
+            if isinstance(weights, jax.sharding.NamedSharding):
+                self._replicated = jax.sharding.NamedSharding(weights.mesh,
+                                                              jax.sharding.PartitionSpec())
+                if placed.device_set != weights.device_set:
+                    cache = jax.device_put(cache, self._replicated)
+            else:
+                self._replicated = placed
             self._cache_shardings = jax.tree.map(lambda a: a.sharding, cache)
             return cache, jax.device_put(Slots.empty(self.slots), self._replicated)
 

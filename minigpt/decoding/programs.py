@@ -11,7 +11,8 @@ once every one of them is done: a stop id drawn, its limit reached, or its cache
 engine then starts its next window). A slot's rows are its own, and a key is visible only at or
 before its query's position, so a request's tokens do not depend on what runs beside it.
 
-How the programs compute is decided here, once, for every client: the weights each layer
+How the programs compute is decided here, once, for every client (evaluation's scores too,
+`token_scores`): the weights each layer
 multiplies are cast to its compute dtype once (`in_compute_dtypes`), on a CPU each layer runs
 on weights of its own (`default_how`), projections contract in their kernels' order
 (`layers.in_kernel_order`: no weight copied at every step), and products are plain ones
@@ -36,6 +37,7 @@ from minigpt import sharding
 from minigpt.decoding.sampler import TOP, Sampling, choose
 from minigpt.models import DecoderLM, execution
 from minigpt.models.layers import Dense, Embedding, in_kernel_order
+from minigpt.models.loss import target_logits
 
 STOP_IDS = 8  # stop ids a slot checks on the device (the host checks every one)
 HOWS = ("per layer", "scanned", "unrolled")
@@ -273,3 +275,28 @@ def sizes(limit: int, smallest: int) -> list[int]:
 def counts(slots: int) -> list[int]:
     """The row counts programs compile for, up to `slots`: 1, 4, 16, ... and `slots`."""
     return sorted({*(4 ** i for i in range(16) if 4 ** i < slots), slots})
+
+
+# The scores of evaluation's rows (`minigpt.eval.scoring`): float32 logits one slice of the head
+# may hold (128 MiB).
+LOGIT_FLOATS = 1 << 25
+
+
+@sharding.jit
+def token_scores(model, inputs: jax.Array, segments: jax.Array | None, places: jax.Array,
+                 wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For inputs [B, T]: log p(wanted) at the positions `places` [B, C] and whether it is
+    the argmax there [B, C]. The head runs at those positions alone, a slice at a time, and
+    the products are plain ones whatever `model.fp8` says, as in every program here."""
+    with fp8.suspended():
+        x = model.features(inputs, segment_ids=segments)  # [B, T, D]
+        x = jnp.take_along_axis(x, places[:, :, None], axis=1)  # [B, C, D]
+        B, C = places.shape
+        step = max(1, min(C, LOGIT_FLOATS // (B * model.config.padded_vocab)))
+        scores, hits = [], []
+        for a in range(0, C, step):
+            logits = model.logits(x[:, a:a + step])  # [B, c, V] float32, padding at -inf
+            target = wanted[:, a:a + step]
+            scores.append(target_logits(logits, target) - jax.nn.logsumexp(logits, axis=-1))
+            hits.append(jnp.argmax(logits, axis=-1) == target)
+    return jnp.concatenate(scores, axis=1), jnp.concatenate(hits, axis=1)

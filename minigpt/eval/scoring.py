@@ -16,7 +16,8 @@ multiple of the ways the preset splits the batch, and lengths to what it splits 
 into. The output head and its softmax run only at the positions whose predictions count (a
 continuation's, a window's new ones), a slice at a time, so a batch never holds all its
 [B, T, V] float32 logits: with a vocabulary of 50,257 they cost more than a small model's
-layers.
+layers. The compiled program is the decoding engine's (`minigpt.decoding.programs.token_scores`),
+which computes as every door does.
 """
 
 from __future__ import annotations
@@ -30,12 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from minigpt import sharding
+from minigpt.decoding.programs import token_scores
 from minigpt.eval.loading import EvalError, Evaluated
-from minigpt.models.loss import target_logits
 
 SHORTEST = 16  # the shortest padded length: shorter rows cost no less to run
-LOGIT_FLOATS = 1 << 25  # float32 logits one slice of the head may hold (128 MiB)
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ class Scorer:
                 self.evaluated.active():
             for start in range(0, len(order), self.batch_size):
                 chosen = order[start:start + self.batch_size]
-                scored = _token_scores(self.evaluated.model,
+                scored = token_scores(self.evaluated.model,
                                        *self._batch([rows[i] for i in chosen]))
                 if pending is not None:
                     self._collect(pending, rows, results, bar)
@@ -140,21 +139,3 @@ class Scorer:
             n = len(rows[i].places())
             results[i] = (scores[b, :n], hits[b, :n])
         bar.update(len(chosen))
-
-
-@sharding.jit
-def _token_scores(model, inputs: jax.Array, segments: jax.Array | None, places: jax.Array,
-                  wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """For inputs [B, T]: log p(wanted) at the positions `places` [B, C] and whether it is
-    the argmax there [B, C]. The head runs at those positions alone, a slice at a time."""
-    x = model.features(inputs, segment_ids=segments)  # [B, T, D]
-    x = jnp.take_along_axis(x, places[:, :, None], axis=1)  # [B, C, D]
-    B, C = places.shape
-    step = max(1, min(C, LOGIT_FLOATS // (B * model.config.padded_vocab)))
-    scores, hits = [], []
-    for a in range(0, C, step):
-        logits = model.logits(x[:, a:a + step])  # [B, c, V] float32, padding at -inf
-        target = wanted[:, a:a + step]
-        scores.append(target_logits(logits, target) - jax.nn.logsumexp(logits, axis=-1))
-        hits.append(jnp.argmax(logits, axis=-1) == target)
-    return jnp.concatenate(scores, axis=1), jnp.concatenate(hits, axis=1)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minigpt import CallableModule, chat_template, sharding
-from minigpt.decoding import Settings, TextStream, decode_all, key_data
+from minigpt.decoding import GREEDY_BELOW, Settings, TextStream, decode_all, key_data
 from minigpt.errors import UserError, exit_code
 from minigpt.models import DecoderLM
 from minigpt.runs import RunDir, load_run, with_recorded_template
@@ -44,12 +44,6 @@ from minigpt.tokenizer import load_tokenizer
 
 class GenerationError(UserError, ValueError):
     """A request the model cannot serve (prompt too long, bad sampling values, bad run)."""
-
-
-# Temperatures below this decode greedily, as 0 does: sampling at them already picks the
-# likeliest token (ahead by more than float32 logits resolve), and dividing logits by a far
-# smaller one overflows to inf, which would sample garbage instead.
-GREEDY_BELOW = 1e-6
 
 
 def window_keep(context: int) -> int:

@@ -26,6 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 TOP = 20  # alternatives kept per token: chat's top_logprobs goes to 20, completions' to 5
+# Temperatures below this decode greedily, as 0 does: sampling at them already picks the
+# likeliest token (ahead by more than float32 logits resolve), and dividing logits by a far
+# smaller one overflows to inf, which would sample garbage instead.
+GREEDY_BELOW = 1e-6
 BLOCK = 256  # tokens per block of the inverse-CDF draw
 
 

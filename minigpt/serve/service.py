@@ -6,7 +6,7 @@ chat's messages are rendered by the run's chat template as `minigpt.generate.cha
 (ChatML closed by the end token for a vocabulary without a template, as chat fine-tuning
 renders it), and each prompt is checked against the slots' length: a prompt of more positions
 than a slot holds, or a prompt plus `max_tokens` past it, is refused (`RequestError`) before
-anything runs. Temperatures below `minigpt.generate.GREEDY_BELOW` decode greedily, as there.
+anything runs. Temperatures below `minigpt.decoding.GREEDY_BELOW` decode greedily, as everywhere.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import dataclasses
 import secrets
 
 from minigpt import chat_template
-from minigpt.decoding import Engine, Request, TextStream
+from minigpt.decoding import GREEDY_BELOW, Engine, Request, TextStream
 from minigpt.decoding.text import decode
 from minigpt.errors import UserError
-from minigpt.generate import GREEDY_BELOW
 from minigpt.serve.choices import Choice
 from minigpt.serve.protocol import Chat, Completion, RequestError
 

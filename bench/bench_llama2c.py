@@ -4,8 +4,11 @@ llama2.c (karpathy) trains Llama-style models on TinyStories in PyTorch, which i
 with a laptop and ten minutes might pick instead of minigpt. This script runs its own `model.py`
 (read from ../shared/peers/, or MINIGPT_PEERS; never copied into this repository) the way its
 `train.py` steps: forward with targets, backward, gradient clipping at 1.0, AdamW with decay on
-2-D tensors, gradients set to None. Beside it runs minigpt's compiled train step on the zoo's
-`llama-cpu` at the same shape with the same optimizer (AdamW at 6e-3, decay 0.1, clipping). Each
+2-D tensors, gradients set to None, eagerly, under `torch.compile`, and compiled with its
+forward under `torch.autocast("cpu", torch.bfloat16)` (bfloat16 products, float32 weights: what
+its train.py's `--dtype bfloat16` does). Beside it runs minigpt's compiled train step on the
+zoo's `llama-cpu` at the same shape with the same optimizer (AdamW at 6e-3, decay 0.1,
+clipping). Each
 contender lives in a process of its own, as it does for its users, and they take turns
 (A B C A B C ...), each turn a fixed number of steps on the same random batch, so a change in the
 machine's load touches all of them alike; the table gives the median turn. Every process runs
@@ -64,8 +67,12 @@ def load_peer():
     return module
 
 
-def torch_contender(peer, cfg, tokens, *, compiled: bool):
-    """A function running n of llama2.c's training steps on one batch."""
+def torch_contender(peer, cfg, tokens, *, compiled: bool, autocast: bool = False):
+    """A function running n of llama2.c's training steps on one batch; with `autocast`, its
+    forward under `torch.autocast("cpu", torch.bfloat16)`, as its train.py's `ctx` runs it
+    where bfloat16 is asked (float32 weights and optimizer, bfloat16 products)."""
+    import contextlib
+
     import torch
 
     torch.manual_seed(0)
@@ -79,9 +86,13 @@ def torch_contender(peer, cfg, tokens, *, compiled: bool):
     x = torch.from_numpy(tokens[:, :-1]).long().contiguous()
     y = torch.from_numpy(tokens[:, 1:]).long().contiguous()
 
+    ctx = (torch.autocast("cpu", dtype=torch.bfloat16) if autocast
+           else contextlib.nullcontext())
+
     def run(n: int) -> float:
         for _ in range(n):
-            step_model(x, y)
+            with ctx:
+                step_model(x, y)
             loss = model.last_loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -122,11 +133,12 @@ def minigpt_contender(cfg, tokens):
     return run
 
 
-CONTENDERS = {  # name: (framework, tied output head, torch.compile)
-    "minigpt (llama-cpu: untied head)": ("minigpt", False, False),
-    "minigpt (tied, as llama2.c)": ("minigpt", True, False),
-    "llama2.c, PyTorch eager": ("torch", True, False),
-    "llama2.c, torch.compile": ("torch", True, True),
+CONTENDERS = {  # name: (framework, tied output head, torch.compile, bfloat16 autocast)
+    "minigpt (llama-cpu: untied head)": ("minigpt", False, False, False),
+    "minigpt (tied, as llama2.c)": ("minigpt", True, False, False),
+    "llama2.c, PyTorch eager": ("torch", True, False, False),
+    "llama2.c, torch.compile": ("torch", True, True, False),
+    "llama2.c, torch.compile, bfloat16 autocast": ("torch", True, True, True),
 }
 
 
@@ -139,14 +151,14 @@ def contender_process(name: str, conn) -> None:
 
     from minigpt.models import get_config
 
-    framework, tied, compiled = CONTENDERS[name]
+    framework, tied, compiled, autocast = CONTENDERS[name]
     cfg = get_config("llama-cpu")
     tokens = np.random.default_rng(0).integers(0, VOCAB, (BATCH, cfg.context_len + 1))
     tokens = tokens.astype(np.int32)
     if framework == "minigpt":
         run = minigpt_contender(dataclasses.replace(cfg, tie_embeddings=tied), tokens)
     else:
-        run = torch_contender(load_peer(), cfg, tokens, compiled=compiled)
+        run = torch_contender(load_peer(), cfg, tokens, compiled=compiled, autocast=autocast)
     start = time.perf_counter()
     loss = run(3)  # compile and warm up, untimed
     conn.send((time.perf_counter() - start, loss, describe(framework)))
@@ -202,14 +214,15 @@ def main() -> None:
         pipe.send(0)
         worker.join()
 
-    # Each round's ratio to the torch.compile turn beside it, as well as the ratio of medians:
-    # a machine whose speed drifts moves both turns of a round alike.
-    best = turns["llama2.c, torch.compile"]
+    # Each round's ratio to the faster of the two compiled peers' turns beside it, as well as
+    # the ratio of medians: a machine whose speed drifts moves every turn of a round alike.
+    peers = ["llama2.c, torch.compile", "llama2.c, torch.compile, bfloat16 autocast"]
+    best = [max(pair) for pair in zip(*(turns[name] for name in peers))]
     rows = [[name, f"{statistics.median(t):,.0f}", f"{min(t):,.0f}-{max(t):,.0f}",
              f"{statistics.median(t) / statistics.median(best):.2f}x",
              f"{statistics.median(a / b for a, b in zip(t, best)):.2f}x"]
             for name, t in turns.items()]
-    header = ["contender", "tokens/s (median)", "range", "vs torch.compile",
+    header = ["contender", "tokens/s (median)", "range", "vs the faster compiled peer",
               "per round (median)"]
     if args.no_record:
         print("\n".join(table(header, rows)))
@@ -218,7 +231,8 @@ def main() -> None:
         "minigpt beside llama2.c at its own shape: training tokens/s, one CPU device",
         [f"shape: width {cfg.embed_dim}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
          f"SwiGLU {cfg.mlp_dim}, vocabulary {VOCAB}, context {cfg.context_len}, batch {BATCH}; "
-         "float32; AdamW (decay 0.1 on matrices), clipping at 1.0",
+         "float32 (the autocast peer: bfloat16 products); AdamW (decay 0.1 on matrices), "
+         "clipping at 1.0",
          f"llama2.c: its model.py (commit 350e04f, from {PEER} in {peers_dir()}) stepped as "
          f"its train.py does; {about['torch']}",
          f"minigpt: `steps.train_step` (compiled once), {about['minigpt']}",
@@ -228,7 +242,7 @@ def main() -> None:
          f"{args.rounds} alternating turns of {args.steps} steps each after 3 warm-up steps, each "
          "round starting one contender later "
          "(compilation excluded for both); median and range of the turns, and the median of each "
-         "round's ratio to its torch.compile turn"],
+         "round's ratio to the faster of its two compiled peer turns"],
         table(header, rows))
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ def worker(spec: dict) -> dict:
     from minigpt import parallel, sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, get_config
+    from minigpt.optim import lr_schedule, steps
     from minigpt.optim.optimizer import make_optimizer
-    from minigpt.train import lr_schedule, steps
 
     T = spec["seq_len"]
     cfg = dataclasses.replace(get_config(MODEL), context_len=T)

@@ -111,8 +111,8 @@ def minigpt_contender(cfg, tokens):
     from minigpt import sharding
     from minigpt.config import TrainConfig
     from minigpt.models import build_model
+    from minigpt.optim import lr_schedule, steps
     from minigpt.optim.optimizer import make_optimizer
-    from minigpt.train import lr_schedule, steps
 
     train_cfg = TrainConfig(batch_size=BATCH, lr=6e-3, weight_decay=0.1, steps=100_000)
     model = build_model(cfg, rngs=nnx.Rngs(0))

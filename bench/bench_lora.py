@@ -78,8 +78,10 @@ def worker(spec: dict) -> dict:
 
     from minigpt import sharding
     from minigpt.config import TrainConfig
+    from minigpt.optim import lr_schedule, steps
+    from minigpt.optim import state as adapters
     from minigpt.runs import RunDir
-    from minigpt.train import adapters, lr_schedule, steps
+    from minigpt.runs.resolved import adapters as requested
 
     jax.devices()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -120,7 +122,7 @@ def worker(spec: dict) -> dict:
     if result["need"] + 4 * GIB > spec["free"]:
         return result
     model, optimizer = sharding.create_sharded(build, layout)
-    adapters.start_from(model, Path(spec["run"]), adapters.requested(train_cfg),
+    adapters.start_from(model, Path(spec["run"]), requested(train_cfg),
                         say=lambda _: None)
     tokens = np.random.default_rng(0).integers(0, 4096, (B, T + 1)).astype(np.int32)
     with layout.active():

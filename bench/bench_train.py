@@ -43,8 +43,8 @@ def worker(spec: dict) -> dict:
     from minigpt.config import TrainConfig
     from minigpt.models import build_model, get_config
     from minigpt.models.flops import flops_per_token, measure_matmul_peak
+    from minigpt.optim import lr_schedule, steps
     from minigpt.optim.optimizer import make_optimizer
-    from minigpt.train import lr_schedule, steps
 
     cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
     train_cfg = TrainConfig(batch_size=spec["batch"])

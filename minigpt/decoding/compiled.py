@@ -177,7 +177,7 @@ class Programs:
         program of b rows' arguments, should one be compiled."""
         b = next(c for c in self.rows if c >= active)
         return self._chosen(("decode", b, sample, want), lambda other: (
-            other[1] >= b and other[2] >= sample and other[3] >= want), args(b),
+            other[1] >= b and other[2] >= sample and other[3] >= want), lambda: args(b),
             size=lambda other: other[1:])
 
     def prefill_for(self, prompts: int, longest: int, logprobs: bool,
@@ -187,19 +187,19 @@ class Programs:
         n = next(c for c in self.rows if c >= prompts)
         P = next(size for size in self.lengths if size >= longest)
         name = ("prefill", n, P, logprobs)
-        chosen = self._chosen(name, lambda other: (other[3] == logprobs and other[1] >= n
-                                                   and other[2] >= P), args(name),
-                              size=lambda other: other[1] * other[2])
-        return chosen
+        return self._chosen(name, lambda other: (other[3] == logprobs and other[1] >= n
+                                                  and other[2] >= P), lambda: args(name),
+                            size=lambda other: other[1] * other[2])
 
-    def _chosen(self, name: tuple, holds, args, size=lambda other: other[1]) -> tuple:
+    def _chosen(self, name: tuple, holds, args: Callable[[], tuple], size) -> tuple:
         with self._lock:
             if name in self._programs:
                 return name
             others = [other for other in self._programs if other[0] == name[0] and holds(other)]
         if not others:
             return name  # compiled by `run`
-        self.in_background(name, args)
+        if self._compiler is not None:
+            self.in_background(name, args())
         return min(others, key=size)
 
     # --- arguments ---------------------------------------------------------------------------

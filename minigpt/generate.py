@@ -128,9 +128,8 @@ def generate_tokens(model: DecoderLM, prompts: Sequence[Sequence[int]], *,
                          min_p=float(min_p), key=key) for key in row_keys(rng, len(prompts))]
     shown = None if on_token is None else (
         lambda i, ids: [on_token(np.asarray([t], np.int32)) for t in ids])
-    decoded = decode_all(model, prompts, max_new=max_new_tokens, settings=settings,
-                         stop_ids=stops, slide=window_keep(context), on_tokens=shown)
-    return [d.tokens for d in decoded]
+    return decode_all(model, prompts, max_new=max_new_tokens, settings=settings,
+                      stop_ids=stops, slide=window_keep(context), on_tokens=shown)
 
 
 def _streamed(tokenizer, prompt: list[int], on_text: Callable[[str], None] | None):

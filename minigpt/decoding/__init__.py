@@ -10,11 +10,11 @@ it gets back, `text` the one detokenizer (tokens to text as they come, stop stri
 """
 
 from minigpt.decoding.engine import Engine
-from minigpt.decoding.offline import Decoded, DecodingError, Settings, decode_all
+from minigpt.decoding.offline import Settings, decode_all
 from minigpt.decoding.request import End, Event, Failed, PromptScores, Request, Tokens
 from minigpt.decoding.sampler import GREEDY_BELOW, TOP, key_data, seed_key
 from minigpt.decoding.text import TextStream
 
-__all__ = ["GREEDY_BELOW", "TOP", "Decoded", "DecodingError", "End", "Engine", "Event", "Failed",
+__all__ = ["GREEDY_BELOW", "TOP", "End", "Engine", "Event", "Failed",
            "PromptScores", "Request", "Settings", "TextStream", "Tokens", "decode_all",
            "key_data", "seed_key"]

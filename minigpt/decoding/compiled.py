@@ -145,10 +145,6 @@ class Programs:
         with self._lock:
             return [describe(name) for name in self._compiling]
 
-    def has(self, name: tuple) -> bool:
-        with self._lock:
-            return name in self._programs
-
     def empty(self):
         """A fresh cache ([L, S, K, C, H] x 2, or per layer [S, K, C, H] x 2) and slot
         state, placed as every program hands them back."""

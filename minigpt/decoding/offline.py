@@ -18,18 +18,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from minigpt.decoding.engine import Engine
-from minigpt.decoding.request import Event, Failed, Request, Tokens
+from minigpt.decoding.request import Event, Request, Tokens
 from minigpt.decoding.sampler import seed_key
 from minigpt.decoding.text import TextStream
-from minigpt.errors import UserError
 from minigpt.models import DecoderLM
 
 SMALLEST = 32  # the shortest prompt bucket the engine prefills
 LENGTH_STEP = 16  # slots' lengths are multiples of this
-
-
-class DecodingError(UserError, RuntimeError):
-    """The engine could not decode a request (the message says why)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +41,6 @@ class Settings:
     @staticmethod
     def seeded(seed: int, **settings) -> Settings:
         return Settings(key=tuple(int(w) for w in seed_key(seed)), **settings)
-
-
-@dataclasses.dataclass
-class Decoded:
-    """One prompt's outcome: its new token ids (stop id left out; through the token that
-    completed a stop string, where its stream has some) and why it ended."""
-
-    tokens: list[int]
-    reason: str | None = None
 
 
 def slot_length(longest: int, max_new: int, context: int) -> int:
@@ -80,8 +66,9 @@ def decode_all(model: DecoderLM, prompts: Sequence[Sequence[int]], *, max_new: i
                stop_ids: Sequence[int] = (), slots: int | None = None, slide: int = 0,
                streams: Sequence[TextStream] | None = None,
                on_tokens: Callable[[int, list[int]], None] | None = None,
-               on_done: Callable[[int], None] | None = None) -> list[Decoded]:
-    """Each prompt decoded by one engine: at most `max_new` new tokens, stopping at
+               on_done: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Each prompt's new tokens (the stop id left out; through the token that completes a stop
+    string, where its stream has some), decoded by one engine: at most `max_new`, stopping at
     `stop_ids`, every prompt with its own `settings` (one record for all, or one each).
     `slots`: rows decoded at once (default: one per prompt); `slide` > 0 lets a request go
     past the context from its last `slide` tokens (`Request.slide`), else every prompt and
@@ -99,22 +86,20 @@ def decode_all(model: DecoderLM, prompts: Sequence[Sequence[int]], *, max_new: i
     else:
         raise ValueError(f"prompts of up to {longest} tokens and {max_new} new ones do not "
                          f"fit in the context of {context}")
-    results = [Decoded([]) for _ in prompts]
+    results: list[list[int]] = [[] for _ in prompts]
     engine = Engine(model, slots=slots or len(prompts), length=length, log=lambda line: None,
                     smallest_bucket=min(SMALLEST, length))
 
     def sink(i: int, event: Event, request: Request) -> None:
-        if isinstance(event, Failed):
-            raise DecodingError(event.message)
-        if not isinstance(event, Tokens):  # End
-            results[i].reason = results[i].reason or event.reason
-            return on_done(i) if on_done is not None else None
+        if not isinstance(event, Tokens):  # its end (run on this thread: no Failed events)
+            if on_done is not None and not request.cancelled:
+                on_done(i)
+            return
         ids = event.ids if streams is None else _through_stop(streams[i], event.ids)
-        results[i].tokens += ids
+        results[i] += ids
         if on_tokens is not None and ids:
             on_tokens(i, ids)
         if streams is not None and streams[i].stopped:
-            results[i].reason = "stop"
             engine.cancel(request)
             if on_done is not None:
                 on_done(i)

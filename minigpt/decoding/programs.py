@@ -161,8 +161,11 @@ def prefill(graphdef, weights, layers, cache, slots: Slots, rows, tokens, length
         n, P = tokens.shape
         fresh = model.init_cache(n, P, dtype=cache_dtype(model), per_layer=layers is not None)
         positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (n, P))
-        logits, fresh = model.decode(tokens, positions, fresh, layers)  # [n, P, V]
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, V]
+        # [n, P, V] where the prompt's own log-probabilities are asked, else [n, 1, V]
+        logits, fresh = model.decode(tokens, positions, fresh, layers,
+                                     last=None if prompt_logprobs else lengths - 1)
+    last = (jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)
+            if prompt_logprobs else logits)[:, 0]  # [n, V]
     drawn = choose(last, sampling, counts, jnp.ones(n, bool), want)
     cache = jax.tree.map(lambda c, f: c.at[(slice(None),) * _slot_axis(c) + (
         rows, slice(None), slice(0, P))].set(f.astype(c.dtype), mode="drop"), cache, fresh)

@@ -185,8 +185,8 @@ class MiniGPTLM(TemplateLM):
                                  stop_ids=self.vocab.stop_ids, slots=slots,
                                  streams=[TextStream(tokenizer, stops=until) for _ in prompts],
                                  on_done=lambda i: bar.update(1))
-            for n, decoded in zip(numbers, new):
-                text = postprocess_generated_text(self.vocab.decode(decoded.tokens), until, None)
+            for n, tokens in zip(numbers, new):
+                text = postprocess_generated_text(self.vocab.decode(tokens), until, None)
                 answers[n] = text
                 self.cache_hook.add_partial("generate_until", requests[n].args, text)
         return answers

@@ -347,14 +347,20 @@ class DecoderLM(nnx.Module):
         return mask_padded_vocab(logits, self.config.vocab_size)
 
     @_with_own_kernels
-    def decode(self, tokens: jax.Array, positions: jax.Array, cache, layers: list | None = None):
+    def decode(self, tokens: jax.Array, positions: jax.Array, cache, layers: list | None = None,
+               *, last: jax.Array | None = None):
         """Run tokens [B, T] at positions [B, T] against a cache; returns (logits, cache).
-        With `layers` (`blocks.unstacked()`), on those, against a per-layer cache.
+        With `layers` (`blocks.unstacked()`), on those, against a per-layer cache. With `last`
+        [B], only the logits at each row's position `last[b]` of the T ([B, 1, V]): a prompt's
+        prefill needs no more, and the head over every position of a long vocabulary costs
+        more than a small model's layers.
 
         Row b's positions must be consecutive, starting where its cached prefix ends.
         """
         x = constrain(self.embed(tokens, positions), ACTIVATION_AXES)
         x, cache, _ = self.blocks(x, AttentionInputs(positions), cache, None, layers)
+        if last is not None:
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
         return self.logits(x), cache
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32, *,

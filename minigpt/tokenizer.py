@@ -59,7 +59,8 @@ class Encoding(tiktoken.Encoding):
 
     It speaks the interface every minigpt tokenizer speaks (`HFTokenizer` is the other):
     `encode_ordinary[_batch]` (text as text: special tokens' names are not special),
-    `encode_prompt`, `decode(ids, skip_special_tokens=False)`, `n_vocab`, `eot_token` (the id
+    `encode_prompt`, `decode(ids, skip_special_tokens=False)`, `n_vocab`, `n_rows` (the
+    embedding rows a model needs for every id it gives), `eot_token` (the id
     after each document, `<|endoftext|>`), `bos_token` (before each document: None here),
     `stop_tokens` (where generation stops) and `chat_template` (None here)."""
 
@@ -71,6 +72,10 @@ class Encoding(tiktoken.Encoding):
         super().__init__(name, pat_str=pattern, mergeable_ranks=ranks,
                          special_tokens=special_tokens, explicit_n_vocab=explicit_n_vocab)
         self.ranks, self.pattern, self.special_tokens = ranks, pattern, dict(special_tokens)
+
+    @property
+    def n_rows(self) -> int:
+        return self.n_vocab
 
     @property
     def eot_token(self) -> int:
@@ -113,6 +118,12 @@ class HFTokenizer:
     its end tokens (a list is kept whole: generation stops at any of them; the first separates
     documents) and its chat template come from the configs, generation_config.json first; where
     they name no end token, a special token of a usual end name (`END_NAMES`) is one.
+
+    A model may have fewer embedding rows than the tokenizer has ids (the folder's config.json
+    `vocab_size`, as a checkpoint's config gives it, and as `minigpt.hub` writes it into a run):
+    Gemma 3's list `<image_soft_token>` one past the table. Special tokens past the rows are
+    kept, since ordinary text never encodes to them; text that spells one is refused where it
+    is encoded, naming the token, and ordinary ids past the rows are refused when loaded.
     Same interface as `Encoding`."""
 
     def __init__(self, folder: str | Path):
@@ -144,6 +155,43 @@ class HFTokenizer:
         self.eot_token = self.stop_tokens[0] if self.stop_tokens else None
         self._config = configs[2]
         self.chat_template = _chat_template(self.folder, configs[2])
+        self.n_rows = self._rows(configs[1])
+
+    def _rows(self, config: dict) -> int:
+        """The ids a model reads: the config's `vocab_size` where it holds fewer than the
+        tokenizer's, once every id past them is checked to be a special token that is not a
+        begin or end token."""
+        rows, where = config.get("vocab_size"), f"{self._files[1]}: vocab_size"
+        if rows is None or (type(rows) is int and rows >= self.n_vocab):
+            return self.n_vocab
+        if type(rows) is not int or rows < 1:
+            raise TokenizerError(f"{where} must be a positive number of rows, got "
+                                 f"{json.dumps(rows)[:60]}")
+        special = set(self.special_tokens.values())
+        ordinary = next((i for i in range(rows, self.n_vocab) if i not in special), None)
+        if ordinary is not None:
+            raise TokenizerError(
+                f"{self.folder / 'tokenizer.json'} has {self.n_vocab:,} tokens but the model's "
+                f"vocabulary is {rows:,}: {self.token_name(ordinary)!r} (id {ordinary}) is "
+                f"ordinary text past the embedding rows; the checkpoint and its tokenizer "
+                f"disagree")
+        ends = [i for i in (*self.stop_tokens, self.bos_token) if i is not None and i >= rows]
+        if ends:
+            raise TokenizerError(f"{where} is {rows:,}, but the begin or end token "
+                                 f"{self.token_name(ends[0])!r} is id {ends[0]}, past the "
+                                 f"model's embedding rows")
+        return rows
+
+    def _readable(self, ids: list[int]) -> list[int]:
+        """`ids`, refused (TokenizerError) where the text spelled a special token past the
+        model's embedding rows."""
+        if self.n_rows < self.n_vocab and ids and max(ids) >= self.n_rows:
+            token = next(i for i in ids if i >= self.n_rows)
+            raise TokenizerError(
+                f"the text holds {self.token_name(token)}, token {token}, a special token past "
+                f"the model's {self.n_rows:,} embedding rows (the tokenizer lists it for inputs "
+                f"this model does not read): remove it from the text")
+        return ids
 
     def _ids(self, configs: list[dict], role: str) -> tuple[int, ...]:
         """The ids of the begin ("bos") or end ("eos") tokens: generation_config.json's and
@@ -171,14 +219,15 @@ class HFTokenizer:
         tiktoken `Encoding`'s, special tokens written in the text are those tokens, as
         transformers reads them with `add_special_tokens=False`: a rendered chat template
         spells its turns that way."""
-        return self.inner.encode(text, add_special_tokens=False).ids
+        return self._readable(self.inner.encode(text, add_special_tokens=False).ids)
 
     def encode_ordinary_batch(self, texts: list[str], num_threads: int = 0) -> list[list[int]]:
-        return [e.ids for e in self.inner.encode_batch(texts, add_special_tokens=False)]
+        return [self._readable(e.ids)
+                for e in self.inner.encode_batch(texts, add_special_tokens=False)]
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt as the model's own tokenizer gives it to the model (its begin token too)."""
-        return self.inner.encode(text, add_special_tokens=True).ids
+        return self._readable(self.inner.encode(text, add_special_tokens=True).ids)
 
     def decode(self, tokens, skip_special_tokens: bool = False) -> str:
         return self.inner.decode(list(tokens), skip_special_tokens=skip_special_tokens)

@@ -267,6 +267,8 @@ class Family:
     old_rope_spelling: bool = False  # config.json with rope_theta and rope_scaling
     config_json: dict = dataclasses.field(default_factory=dict)  # as the real config.json has
     tokenizer_class: str | None = None  # as the real tokenizer_config.json names it
+    # special tokens listed after the model's rows, as Gemma 3's <image_soft_token> is
+    past_rows: tuple[str, ...] = ()
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
@@ -338,7 +340,8 @@ FAMILIES = {
                           hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
                           rms_norm_eps=1e-6),
                      eos=("<eos>", "<end_of_turn>"), bos="<bos>", template=GEMMA_TEMPLATE,
-                     stop="<end_of_turn>", tokenizer_class="GemmaTokenizer"),
+                     stop="<end_of_turn>", tokenizer_class="GemmaTokenizer",
+                     past_rows=("<image_soft_token>",)),
 }
 
 
@@ -353,7 +356,9 @@ class Checkpoint:
 
     @property
     def specials(self) -> list[str]:
-        return [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
+        """The special tokens a text may spell for the model (those past its rows excepted)."""
+        return [t.content for t in self.tokenizer.added_tokens_decoder.values()
+                if t.special and t.content not in self.family.past_rows]
 
     @property
     def stop_ids(self) -> list[int]:
@@ -373,6 +378,10 @@ def write_family(name: str, directory: Path) -> Checkpoint:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (*family.eos, family.bos) if t}
     eos = [ids[t] for t in family.eos]
     vocab = -(-len(tokenizer) // family.vocab_multiple) * family.vocab_multiple
+    if family.past_rows:  # listed after the rows, so the model has none for them
+        assert len(tokenizer) == vocab
+        tokenizer.add_tokens([transformers.AddedToken(t, special=True) for t in family.past_rows],
+                             special_tokens=True)
     config = family.config(vocab_size=vocab, **{**SMALL, **family.fields},
                            bos_token_id=ids.get(family.bos),
                            eos_token_id=eos if len(eos) > 1 else eos[0])

@@ -263,7 +263,18 @@ IMPORT_REFUSALS = {
     "qwen-sliding-window": ("qwen2", lambda d: _edit(d / "config.json", use_sliding_window=True,
                                                     sliding_window=32), "use_sliding_window"),
     "tokenizer": ("smollm2", _unloadable, "cannot be read by the tokenizers library"),
+    # Gemma 3's special token past the rows imports (below); an ordinary one does not
+    "ordinary-past-rows": ("gemma3", lambda d: _not_special(d, "<image_soft_token>"),
+                           "'<image_soft_token>' (id 501) is ordinary text past the embedding "
+                           "rows"),
 }
+
+
+def _not_special(directory, token: str) -> None:
+    data = json.loads((directory / "tokenizer.json").read_text())
+    for added in data["added_tokens"]:
+        added["special"] = added["special"] and added["content"] != token
+    (directory / "tokenizer.json").write_text(json.dumps(data))
 
 
 @pytest.mark.parametrize("case", IMPORT_REFUSALS)
@@ -274,6 +285,44 @@ def test_what_cannot_be_imported_is_refused_in_one_line(case, checkpoint, tmp_pa
     capsys.readouterr()
     refused(capsys, hub.main(["import", str(directory), "--out", str(tmp_path / "run")]), message)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no run, no leftovers
+
+
+def test_a_special_token_past_the_rows_imports_and_text_spelling_it_is_refused(
+        checkpoint, imported, tmp_path, capsys):
+    """Gemma 3's tokenizers list <image_soft_token> one past the embedding rows (transformers
+    issue 37011): the checkpoint imports (its logits, tokens and export are the quick family
+    test's), and a prompt or training text spelling the token is refused in one line naming
+    it, before anything is written."""
+    from minigpt.tokenizer import load_tokenizer
+    from minigpt.train import cli, train
+
+    ck, run = checkpoint("gemma3"), imported("gemma3")
+    rows = ck.model.config.vocab_size
+    assert ck.tokenizer.convert_tokens_to_ids("<image_soft_token>") == rows
+    tokenizer = load_tokenizer(str(run / "tokenizer"))
+    assert (tokenizer.n_vocab, tokenizer.n_rows) == (rows + 1, rows)
+    text = "Once upon a time <image_soft_token> a cat sat."
+    capsys.readouterr()
+    refused(capsys, generate.main(["--run", str(run), "--prompt", text]),
+            f"the text holds <image_soft_token>, token {rows}, a special token past the "
+            f"model's {rows:,} embedding rows")
+    pytest.importorskip("fastapi", reason="the server is the [serve] extra")
+    from fastapi.testclient import TestClient
+
+    from minigpt.serve.api import create_app
+    from minigpt.serve.service import Service
+
+    service = Service(engine=None, tokenizer=tokenizer, name="gemma3", context=64,
+                      vocab_size=rows, max_batch=1)
+    answer = TestClient(create_app(service)).post("/tokenize", json={"prompt": text})
+    assert answer.status_code == 400
+    assert "<image_soft_token>, token" in answer.json()["error"]["message"]
+    stories = tmp_path / "stories.txt"
+    stories.write_text(f"{hf.CHAT_MESSAGE}\n\n{text}\n")
+    out = tmp_path / "tuned"
+    refused(capsys, cli.run(["--init-from", str(run), "--data", str(stories), "--steps", "1",
+                             "--out", str(out)], train), "<image_soft_token>, token")
+    assert not out.exists()
 
 
 def test_a_hugging_face_folder_where_a_run_belongs_says_to_import_it(checkpoint, tmp_path,

@@ -31,9 +31,10 @@ FOLDER = "tokenizer"  # inside a run directory
 def import_tokenizer_files(directory: Path, hf_config: dict[str, Any], run: Path,
                            vocab_size: int, inside) -> HFTokenizer:
     """Copy a checkpoint folder's tokenizer files into `run/tokenizer/` and load them; refuses
-    (HubError, one line) a tokenizer the library cannot read, one larger than the model's
-    vocabulary, and files outside the folder (`inside(path)` resolves a path the folder names,
-    as the weights' index is resolved)."""
+    (HubError, one line) a tokenizer the library cannot read, one with ordinary tokens past the
+    model's vocabulary (special ones past it, as Gemma 3's `<image_soft_token>`, are kept:
+    `HFTokenizer.n_rows`), and files outside the folder (`inside(path)` resolves a path the
+    folder names, as the weights' index is resolved)."""
     folder = run / FOLDER
     folder.mkdir()
     for name in TOKENIZER_FILES:
@@ -50,13 +51,12 @@ def import_tokenizer_files(directory: Path, hf_config: dict[str, Any], run: Path
         if added:
             write_text_atomic(folder / "generation_config.json",
                               json.dumps({**generation, **added}, indent=2) + "\n")
+        # The model's rows, as a checkpoint's config.json gives them: the tokenizer refuses
+        # ordinary ids past them and text spelling a special token past them.
+        write_text_atomic(folder / "config.json", json.dumps({"vocab_size": vocab_size}) + "\n")
         tokenizer = HFTokenizer(folder)
     except TokenizerError as error:
         raise HubError(str(error).replace(str(folder), str(directory))) from None
-    if tokenizer.n_vocab > vocab_size:
-        raise HubError(f"{directory / 'tokenizer.json'} has {tokenizer.n_vocab:,} tokens but the "
-                       f"model's vocabulary is {vocab_size:,}: the checkpoint and its tokenizer "
-                       f"disagree")
     return tokenizer
 
 

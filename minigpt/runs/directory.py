@@ -318,7 +318,7 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
     saved = directory.read()
     cfg = saved.model
     tokenizer = load_tokenizer(cfg.tokenizer)
-    if tokenizer.n_vocab > cfg.vocab_size:
+    if tokenizer.n_rows > cfg.vocab_size:
         raise RunError(
             f"{directory.path} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
             f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")

@@ -28,6 +28,7 @@ import minigpt.serve.responses as responses
 from minigpt.serve.choices import Call
 from minigpt.serve.protocol import RequestError, parse_chat, parse_completion, parse_json
 from minigpt.serve.service import Service
+from minigpt.tokenizer import TokenizerError
 
 MAX_BODY = 32 << 20  # bytes: lm-evaluation-harness sends batches of long prompts
 
@@ -70,6 +71,11 @@ def create_app(service: Service) -> FastAPI:
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError):
         return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(TokenizerError)
+    async def unreadable(request: Request, error: TokenizerError):
+        # a prompt spelling a token the model cannot read (one past its embedding rows)
+        return JSONResponse(RequestError(str(error), param="prompt").body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):

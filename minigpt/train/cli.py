@@ -82,7 +82,7 @@ def _with_tokenizer(model_cfg: ModelConfig, tokenizer: str | None) -> ModelConfi
     if not tokenizer:
         return model_cfg
     return dataclasses.replace(model_cfg, tokenizer=tokenizer,
-                               vocab_size=load_tokenizer(tokenizer).n_vocab)
+                               vocab_size=load_tokenizer(tokenizer).n_rows)
 
 
 def _started_from(args: argparse.Namespace, given: dict[str, Any],

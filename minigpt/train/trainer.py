@@ -113,7 +113,7 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
     if resolved.seq_len(model_cfg, train_cfg) > model_cfg.context_len:
         raise ConfigError(f"train.seq_len {train_cfg.seq_len} exceeds the model's context "
                           f"{model_cfg.context_len}")
-    if (n := load_tokenizer(model_cfg.tokenizer).n_vocab) > model_cfg.vocab_size:
+    if (n := load_tokenizer(model_cfg.tokenizer).n_rows) > model_cfg.vocab_size:
         raise ConfigError(f"tokenizer {model_cfg.tokenizer!r} has {n:,} tokens but the model's "
                           f"table has {model_cfg.vocab_size:,} rows: ids past them have no "
                           f"embedding (a config.json naming another model's tokenizer?)")

@@ -26,6 +26,11 @@ class UserError(Exception):
     exit_code = 2
 
 
+class TokenizerError(UserError, RuntimeError):
+    """A tokenizer cannot be loaded or refuses a text (`minigpt.tokenizer`, which exports it);
+    the message says what to do about it."""
+
+
 # The reasons a write fails that are the machine's state, not a bug: a full disk or quota, a
 # read-only or foreign folder, a file past its size limit.
 WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)

@@ -22,13 +22,10 @@ encoding is `<|endoftext|>`, id 50256 (`enc.eot_token`).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import functools
 import json
 import os
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 
 import tiktoken
@@ -36,8 +33,9 @@ from tiktoken_ext import openai_public
 
 from minigpt import chat_template
 from minigpt.config.values import ConfigError, check_value
-from minigpt.errors import UserError
-from minigpt.files import first_line, read_json_object, write_text_atomic
+from minigpt.errors import TokenizerError
+from minigpt.files import first_line, read_json_object
+from minigpt.ranks import read_provenance, read_ranks, write_ranks  # noqa: F401 (exported)
 
 DEFAULT_TOKENIZER = "gpt2"
 # End-of-text tokens by their usual names, for a tokenizer whose configs name none.
@@ -47,10 +45,6 @@ EOT = "<|endoftext|>"
 # GPT-2's pre-tokenizer: contractions, letter runs, digit runs, punctuation, whitespace. A BPE
 # merge never crosses these pieces.
 PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-class TokenizerError(UserError, RuntimeError):
-    """A tokenizer cannot be loaded; the message says what to do about it."""
 
 
 class Encoding(tiktoken.Encoding):
@@ -119,12 +113,10 @@ class HFTokenizer:
     documents) and its chat template come from the configs, generation_config.json first; where
     they name no end token, a special token of a usual end name (`END_NAMES`) is one.
 
-    A model may have fewer embedding rows than the tokenizer has ids (the folder's config.json
-    `vocab_size`, as a checkpoint's config gives it, and as `minigpt.hub` writes it into a run):
-    Gemma 3's list `<image_soft_token>` one past the table. Special tokens past the rows are
-    kept, since ordinary text never encodes to them; text that spells one is refused where it
-    is encoded, naming the token, and ordinary ids past the rows are refused when loaded.
-    Same interface as `Encoding`."""
+    A model may have fewer embedding rows (`n_rows`: its config.json's `vocab_size`, which
+    `minigpt.hub` writes into a run) than the tokenizer has ids: Gemma 3's list
+    `<image_soft_token>` one past them. Text spelling a special token past the rows is refused
+    where it is encoded; ordinary ids past them, when loaded. Same interface as `Encoding`."""
 
     def __init__(self, folder: str | Path):
         import tokenizers  # only imported checkpoints need it
@@ -375,40 +367,6 @@ def _load(name: str) -> Encoding | HFTokenizer:
                     explicit_n_vocab=made_of.get("explicit_n_vocab"))
 
 
-def read_ranks(path: Path, special_ids: Iterable[int] = ()) -> dict[bytes, int]:
-    """A ranks file: one `<base64 token> <rank>` per line (tiktoken's format); with the ids of
-    the special tokens, the ranks number 0..n-1 once each."""
-    ranks, number = {}, 0
-    try:
-        lines = path.read_text(encoding="ascii").splitlines()
-        for number, line in enumerate(lines, 1):  # noqa: B007 - the error names the line
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
-    except (OSError, ValueError, binascii.Error) as error:
-        where = f" (line {number})" if number else ""
-        raise TokenizerError(f"cannot read the tokenizer ranks file {path}{where}: "
-                             f"{type(error).__name__}: {error}") from error
-    ids = sorted([*ranks.values(), *special_ids])
-    if ids != list(range(len(ids))) or len(ranks) < 256:
-        specials = " with its special tokens" if special_ids else ""
-        raise TokenizerError(f"{path} is not a BPE ranks file: it must rank every byte and "
-                             f"each merge once, 0..n-1{specials} ({len(ranks)} entries)")
-    return ranks
-
-
-def read_provenance(path: Path) -> dict:
-    """The JSON beside a ranks file (`<name>.json`), or {} where there is none."""
-    beside = path.with_suffix(".json")
-    provenance = read_json_object(beside, TokenizerError)
-    specials = provenance.get("special_tokens", {})
-    pat_str = provenance.get("pat_str", PATTERN)
-    if not (isinstance(specials, dict) and isinstance(pat_str, str)
-            and all(isinstance(i, int) for i in specials.values())):
-        raise TokenizerError(f"{beside}: special_tokens must map names to ids and pat_str must "
-                             f"be a regex string")
-    return provenance
-
-
 def _from_ranks(name: str, path: Path) -> Encoding:
     """A ranks file as an encoding: the split regex (`pat_str`) and special tokens come from its
     provenance JSON (converted vocabularies have both); else GPT-2's pattern and
@@ -426,12 +384,3 @@ def _from_ranks(name: str, path: Path) -> Encoding:
 
 
 load_tokenizer.cache_clear = _load.cache_clear  # forget what was loaded (tests)
-
-
-def write_ranks(ranks: dict[bytes, int], path: str | Path, provenance: dict) -> None:
-    """Write a ranks file and, beside it, `<name>.json` saying how it was made."""
-    path = Path(path)
-    lines = [f"{base64.b64encode(token).decode()} {rank}"
-             for token, rank in sorted(ranks.items(), key=lambda item: item[1])]
-    write_text_atomic(path, "\n".join(lines) + "\n")
-    write_text_atomic(path.with_suffix(".json"), json.dumps(provenance, indent=2) + "\n")

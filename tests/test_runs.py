@@ -81,7 +81,8 @@ def test_a_run_imported_by_an_earlier_version_still_generates_exports_and_seeds_
     from hf_checkpoints import llama_checkpoint, write_hf
 
     from minigpt import generate, hub
-    from minigpt.tokenizer import PATTERN, load_tokenizer, write_ranks
+    from minigpt.ranks import write_ranks
+    from minigpt.tokenizer import PATTERN, load_tokenizer
 
     config, tensors = llama_checkpoint(L=2)
     hf = write_hf(tmp_path / "hf", config, tensors, tokenizer="tinystories-4k")

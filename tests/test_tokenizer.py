@@ -65,7 +65,8 @@ import json  # noqa: E402
 import random  # noqa: E402
 
 from minigpt import data  # noqa: E402
-from minigpt.tokenizer import SHIPPED_DIR, read_ranks, shipped_tokenizers  # noqa: E402
+from minigpt.ranks import read_ranks  # noqa: E402
+from minigpt.tokenizer import SHIPPED_DIR, shipped_tokenizers  # noqa: E402
 
 
 def test_the_tinystories_vocabulary_is_tiktoken_with_endoftext_last():

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from minigpt.config.model import (
@@ -13,6 +14,9 @@ from minigpt.config.model import (
     PIPELINE_SCHEDULES,
 )
 from minigpt.config.values import ConfigError, check_fields
+
+# What a run may learn from: the next token of text (or of chats' replies), or preferences.
+OBJECTIVES = ("lm", "dpo")
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,15 @@ class TrainConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    # What the run learns from (docs/post_training.md): "lm", the next token of its text or
+    # chats; "dpo", pairs of replies (prompt, chosen, rejected) against a frozen reference,
+    # the --init-from run's weights or `reference` (another run's), with strength `dpo_beta`.
+    objective: str = "lm"
+    reference: str = ""
+    dpo_beta: float = 0.1
 
     def __post_init__(self) -> None:
+        """Every value checked; long because each check is a statement of its own."""
         check_fields(self, "train")
         positive = ("steps", "batch_size", "microbatches", "log_every", "eval_every",
                     "eval_batches", "save_every", "keep_checkpoints")
@@ -144,6 +155,11 @@ class TrainConfig:
             raise ConfigError(f"train.lora_rank must be >= 0 (0: no adapters), train.lora_alpha "
                               f"> 0 and train.lora_dropout in [0, 1); got {self.lora_rank}, "
                               f"{self.lora_alpha} and {self.lora_dropout}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"unknown train.objective {self.objective!r}: choose one of "
+                              f"{', '.join(OBJECTIVES)}")
+        if not (self.dpo_beta > 0 and math.isfinite(self.dpo_beta)):
+            raise ConfigError(f"train.dpo_beta must be a positive number, got {self.dpo_beta}")
         if self.lora_rank and not self.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the projections to adapt "
                               f"(default {','.join(LORA_TARGETS)})")

@@ -23,6 +23,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+import minigpt.data.preferences as preferences
 from minigpt.data.chats import load_rows
 from minigpt.data.corpus import TokenStream, open_corpus
 from minigpt.data.documents import positions_in_documents, window_documents
@@ -116,6 +117,21 @@ def stored_rows(arrays: dict[str, np.ndarray]):
     return gather
 
 
+def _pairs(data_dir: str | Path, split: str, seq_len: int, batch_size: int):
+    """A function gathering prepared preference pairs (seq_len + 1 tokens each) by index, and
+    how many there are."""
+    arrays = preferences.load_rows(data_dir, split)
+    count = len(arrays["pair"])
+    if arrays["ids"].shape[-1] != seq_len + 1:
+        raise DataError(f"{data_dir} holds pairs of {arrays['ids'].shape[-1]} tokens, not "
+                        f"{seq_len + 1}")
+    if count < batch_size:
+        raise DataError(f"the {split} split of {data_dir} has {count} pairs, fewer than one "
+                        f"batch of {batch_size}: give a smaller --batch-size (it counts pairs) "
+                        f"or more pairs")
+    return (lambda rows: {k: a[rows] for k, a in arrays.items()}), count
+
+
 def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, seed: int,
                    shuffle: bool = True, num_epochs: int | None = None, process_index: int = 0,
                    process_count: int = 1, documents: tuple[int, int | None] | None = None
@@ -139,7 +155,10 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
     if num_epochs is not None and num_epochs < 1:
         raise DataError(f"num_epochs must be positive or None (forever), got {num_epochs}")
     order = Permutation  # conversations and folders prepared before shards keep their order
-    if load_meta(data_dir).get("kind") == "chats":  # whole windows of conversations
+    kind = load_meta(data_dir).get("kind")
+    if kind == "preferences":  # pairs of replies (minigpt.data.preferences)
+        (gather, num_windows), will_need = _pairs(data_dir, split, seq_len, batch_size), None
+    elif kind == "chats":  # whole windows of conversations
         arrays = load_rows(data_dir, split)
         num_windows = len(arrays["inputs"])
         if arrays["inputs"].shape[1] != seq_len:

@@ -20,6 +20,7 @@ import minigpt.data.readers as readers
 from minigpt import chat_template
 from minigpt.config import ConfigError
 from minigpt.data.corpus import SHARDS
+from minigpt.data.preferences import prepare_preferences
 from minigpt.data.prepare_source import (
     DEFAULT_VAL_FRACTION,
     PROGRESS,
@@ -164,7 +165,7 @@ def _text_files(files: Sequence[str | Path]) -> list[Path]:
 
 def resolve_data(data: str | Sequence[str], root: str | Path = "data",
                  tokenizer: str | None = None, *, seq_len: int = 0, truncate: bool = False,
-                 template: str | None = None) -> Path:
+                 template: str | None = None, preferences: bool = False) -> Path:
     """A prepared directory (shards and meta.json) for a dataset name or text files.
 
     `"tinystories"` / `"tinystories-v2"` download and prepare into `root` on first use; a
@@ -172,11 +173,16 @@ def resolve_data(data: str | Sequence[str], root: str | Path = "data",
     another); .jsonl files (or folders of them) are conversations, rendered with the
     tokenizer's chat template (or `template`, or ChatML: `minigpt.data.chats`) and packed
     into windows of `seq_len` (`truncate`: cut a longer one instead of refusing it); anything
-    else is a list of text files. Text is tokenized with `tokenizer`, GPT-2's when None.
+    else is a list of text files. Text is tokenized with `tokenizer`, GPT-2's when None. With
+    `preferences`, .jsonl files are DPO's pairs (`minigpt.data.preferences`), in windows of
+    `seq_len` + 1 tokens.
     """
     items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
     if not items:
         raise DataError("no data given: name a dataset (tinystories, tinystories-v2) or files")
+    if preferences:
+        rendering, _ = chat_template.with_template(load_tokenizer(tokenizer), template)
+        return prepare_preferences(items, root, rendering, tokenizer, seq_len)
     if chats.is_chats(items):
         if seq_len < 1:
             raise DataError("conversations are packed into windows: give their length (seq_len)")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from minigpt.data.stories import StoryFile
 from minigpt.files import sha256
-from minigpt.tokenizer import EOT, PATTERN, TokenizerError, write_ranks
+from minigpt.ranks import write_ranks
+from minigpt.tokenizer import EOT, PATTERN, TokenizerError
 
 
 def train_ranks(texts: Iterable[str], vocab_size: int) -> dict[bytes, int]:

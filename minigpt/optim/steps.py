@@ -30,20 +30,22 @@ def _loss_and_metrics(model: DecoderLM, batch, keys):
     return model.loss_and_metrics(batch, keys)
 
 
-def _loss_and_grads(model: DecoderLM, batch, keys, microbatches: int, wrt=nnx.Param):
-    """The model's metrics (`DecoderLM.loss_and_metrics`) and the gradients of its loss with
-    respect to the parameters `wrt` picks (the optimizer's: a model's adapters, if it has any;
-    its frozen weights get none)."""
-    batch = loss_batch(batch)  # weights scaled over the whole batch, before it is cut
+def loss_and_grads(model: DecoderLM, batch, keys, microbatches: int, wrt=nnx.Param,
+                   loss=_loss_and_metrics):
+    """The metrics of `loss(model, batch, keys)` (a loss and its metrics: by default the
+    model's, `DecoderLM.loss_and_metrics`, of a batch `loss_batch` has weighted) and the
+    gradients of the loss with respect to the parameters `wrt` picks (the optimizer's: a
+    model's adapters, if it has any; its frozen weights get none), accumulated over
+    `microbatches` slices of the batch's rows."""
     if microbatches == 1:
         (_, metrics), grads = nnx.value_and_grad(
-            _loss_and_metrics, argnums=nnx.DiffState(0, wrt), has_aux=True)(model, batch, keys)
+            loss, argnums=nnx.DiffState(0, wrt), has_aux=True)(model, batch, keys)
         return metrics, grads
     graphdef, params, rest = nnx.split(model, wrt, ...)
 
     def micro_step(p, micro_batch, micro_keys):
         (_, metrics), grads = jax.value_and_grad(
-            lambda p: _loss_and_metrics(nnx.merge(graphdef, p, rest), micro_batch, micro_keys),
+            lambda p: loss(nnx.merge(graphdef, p, rest), micro_batch, micro_keys),
             has_aux=True)(p)
         return metrics, grads
 
@@ -90,7 +92,8 @@ def train_step(model: DecoderLM, optimizer: nnx.Optimizer, batch: dict[str, jax.
     keys = None
     if model.config.dropout > 0 or lora.has_dropout(model):
         keys = row_keys(jax.random.fold_in(rng, step), batch["inputs"].shape[0])
-    metrics, grads = _loss_and_grads(model, batch, keys, microbatches, optimizer.wrt)
+    # weights scaled over the whole batch, before it is cut into microbatches
+    metrics, grads = loss_and_grads(model, loss_batch(batch), keys, microbatches, optimizer.wrt)
     optimizer.update(model, grads, schedule=schedule)
     return {**_reported(metrics), "grad_norm": optax.tree.norm(grads), "lr": schedule(step)}
 

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import minigpt.data.chats as chats
 import minigpt.optim.steps as steps
 from minigpt import chat_template, sharding
@@ -47,13 +49,21 @@ def for_chats(tokenizer, cfg: TrainConfig, *, resume: bool, say) -> tuple[Any, d
     return rendering, {}
 
 
+# Data prepared for a run (conversations, preference pairs) rather than a corpus of shards.
+PREPARED = ("chats", "preferences")
+
+
 def corpus_fingerprint(data_dir: Path, say) -> str:
     """The corpus a run trains on, checked and known again: every shard's bytes against the
     checksums its preparation recorded (a changed shard is refused, naming it), and a
     fingerprint the run keeps in config.json, which its resumes compare."""
-    meta = load_meta(data_dir)
-    if meta.get("kind") == "chats":  # conversations prepared for this run: their meta.json
-        return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    if load_meta(data_dir).get("kind") in PREPARED:  # prepared for this run: its arrays
+        digest = hashlib.sha256()
+        for split in ("train", "val"):
+            with np.load(data_dir / f"{split}.npz") as arrays:
+                for name in sorted(arrays.files):
+                    digest.update(name.encode() + np.ascontiguousarray(arrays[name]).tobytes())
+        return digest.hexdigest()
     corpus = open_corpus(data_dir)
     began = time.monotonic()
     checked, problems = verify(corpus)
@@ -72,7 +82,11 @@ def resumed_record(saved: dict[str, Any], current: dict[str, Any], data_dir: Pat
     with this run's entries over it. A corpus other than the one the run started on is
     refused (DataError); a run from before fingerprints were kept goes on as it is."""
     before, now = saved.get("data_fingerprint"), current.get("data_fingerprint")
-    if before is not None and now is not None and before != now:
+    meta = load_meta(data_dir)
+    # Chats were known by their meta.json until its tokenizer's path was seen to change when a
+    # run started from an imported one resumes (its own copy of the tokenizer, not the source's).
+    earlier = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    if before is not None and now is not None and before not in (now, earlier):
         raise DataError(f"{data_dir} is not the corpus this run started on (it was prepared "
                         f"again from other text, or its files changed): resume with the corpus "
                         f"it started on, or start a new run (another --out)")

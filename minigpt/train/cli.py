@@ -39,7 +39,8 @@ INIT_FROM_FIELDS = (*EXECUTION_FIELDS, "dropout")
 FLAG_FIELDS = {"preset": "preset", "data": "data", "steps": "steps", "batch_size": "batch_size",
                "seq_len": "seq_len", "lr": "lr", "seed": "seed", "out": "out",
                "eval_every": "eval_every", "save_every": "save_every",
-               "profile_steps": "profile_steps"}
+               "profile_steps": "profile_steps", "objective": "objective",
+               "reference": "reference", "log_every": "log_every"}
 
 
 def _train_flags(args: argparse.Namespace) -> dict[str, Any]:

@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a new run from RUN's latest weights (trained here, or imported "
                         "with python -m minigpt.hub): its model and tokenizer, a fresh "
                         "optimizer, step 0")
+    p.add_argument("--objective", choices=("lm", "dpo"),
+                   help="what the run learns: lm, the next token of text or chats (default); "
+                        "dpo, preference pairs from --data prefs.jsonl against a frozen "
+                        "reference (docs/post_training.md)")
+    p.add_argument("--reference", metavar="RUN",
+                   help="with --objective dpo: the run whose weights are the reference "
+                        "(default: the --init-from run's, as they are at the start)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint "
                                                          "(the flags that started it may stay)")
     p.add_argument("--devices", type=int, default=0,
@@ -61,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the devices present; a resumed run: as many as it was "
                         "trained on)")
     p.add_argument("--eval-every", type=int, help=f"(default {d.eval_every})")
+    p.add_argument("--log-every", type=int,
+                   help=f"steps between the progress line's figures (default {d.log_every}); "
+                        f"metrics.jsonl has a row for every step")
     p.add_argument("--save-every", type=int, help=f"(default {d.save_every})")
     p.add_argument("--no-sample", action="store_true",
                    help="do not tell a sample story at the end")
@@ -100,7 +110,8 @@ def early_refusal(argv: Sequence[str]) -> str | None:
         if not (out / "config.json").is_file():
             return (f"cannot resume {out}: it holds no run (no config.json); give the --out of "
                     f"a run trained before, or drop --resume to start one")
-    if args.init_from and not (Path(args.init_from) / "config.json").is_file():
-        return (f"--init-from {args.init_from} is not a run directory (one trained here, or "
-                f"made by python -m minigpt.hub import)")
+    for flag, run in (("--init-from", args.init_from), ("--reference", args.reference)):
+        if run and not (Path(run) / "config.json").is_file():
+            return (f"{flag} {run} is not a run directory (one trained here, or made by "
+                    f"python -m minigpt.hub import)")
     return None

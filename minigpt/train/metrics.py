@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 import minigpt.models.flops as flops
+import minigpt.optim.preference as preference
 from minigpt import pipeline
 from minigpt.config import TrainConfig
 from minigpt.errors import UserError
@@ -177,7 +178,9 @@ class TrainingDiverged(UserError, RuntimeError):
 
 def describe_eval(result: dict[str, float]) -> str:
     """Held-out metrics as the log shows them: "eval loss 2.4567 nats/token, 0.912
-    bits/byte"."""
+    bits/byte"; of pairs: "DPO loss 0.4123, chosen over rejected 0.938, margin 1.520"."""
+    if "eval_rewards/accuracies" in result:
+        return preference.describe(result)
     text = f"eval loss {result['eval_loss']:.4f} nats/token"
     if "eval_bits_per_byte" in result:
         text += f", {result['eval_bits_per_byte']:.3f} bits/byte"
@@ -219,7 +222,8 @@ class TensorBoard:
             self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
-        for key, tag in {**TENSORBOARD_TAGS, **EXPERT_TENSORBOARD_TAGS}.items():
+        for key, tag in {**TENSORBOARD_TAGS, **EXPERT_TENSORBOARD_TAGS,
+                         **preference.TENSORBOARD_TAGS}.items():
             value = record.get(key)
             for i, entry in enumerate(value if isinstance(value, list) else ()):
                 self._writer.add_scalar(f"{tag}/{i}", entry, record["step"])
@@ -298,8 +302,9 @@ class Recorder:
     def record_eval(self, step: int, result: dict[str, float]) -> None:
         """Log held-out metrics: {"eval_loss" (nats per token), and where measured
         "eval_bits_per_byte"}; the perplexity comes with the loss."""
-        loss = result["eval_loss"]
-        self.write({"step": step, **result, "eval_perplexity": math.exp(min(loss, 50))})
+        if "eval_rewards/accuracies" not in result:  # a DPO loss has no perplexity
+            result = {**result, "eval_perplexity": math.exp(min(result["eval_loss"], 50))}
+        self.write({"step": step, **result})
         if self.progress is not None:
             self.progress.write(f"step {step}: {describe_eval(result)}")
 
@@ -365,7 +370,7 @@ def for_run(run, *, say) -> Recorder:
     """The recorder of a training run (`minigpt.train.trainer.Run`), after saying in its first
     lines how it is laid out, what it computes with and what MFU is measured against."""
     cfg, settled = run.train_cfg, run.settled
-    tokens_per_step = cfg.batch_size * settled.seq_len
+    tokens_per_step = cfg.batch_size * settled.seq_len * (2 if cfg.objective == "dpo" else 1)
     peak = flops.device_peak(settled.model.dtype)
     preset = run.layout.preset
     if note := shadowed(run.train_cfg.preset, preset.path):

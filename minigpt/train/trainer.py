@@ -23,13 +23,13 @@ from flax import nnx
 
 import minigpt.optim.lr_schedule as lr_schedule
 import minigpt.optim.state as state
-import minigpt.optim.steps as steps
 import minigpt.train.batches as batches
 import minigpt.train.metrics as metrics
+import minigpt.train.objectives as objectives
 from minigpt import pipeline, plan, runtime, sharding
 from minigpt.checkpoint import Checkpointer, has_checkpoint
 from minigpt.config import ConfigError, ModelConfig, TrainConfig, parse_step_range
-from minigpt.data import check_tokenizer, prepare_in_job
+from minigpt.data import check_tokenizer
 from minigpt.files import write_text_atomic
 from minigpt.generate import generate
 from minigpt.runs import RunDir, check_start, keep_vocabulary, resolved
@@ -57,6 +57,7 @@ class Run:
     optimizer: nnx.Optimizer
     checkpointer: Checkpointer
     feed: Feed  # the training batches, placed a step ahead
+    objective: Any  # what it learns from: its data, step and evaluation (`objectives`)
     tokenizer: Any
     documents: tuple[int, int | None] | None  # begin and end tokens, where documents stay apart
     rng: jax.Array
@@ -92,6 +93,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: bool = Fals
             if resume:
                 restore(run)
             settle(run, resume=resume)
+            run.objective.begin(run, resume=resume, say=log)
             run.layers.enter(run.model, run.optimizer)
             write_run_files(run)
             interrupted = run_loop(run)
@@ -118,6 +120,7 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
                           f"table has {model_cfg.vocab_size:,} rows: ids past them have no "
                           f"embedding (a config.json naming another model's tokenizer?)")
     layout = resolved.layout(model_cfg, train_cfg)
+    objectives.check(model_cfg, train_cfg, layout, resume=resume)
     state.check(model_cfg, train_cfg, layout)  # the weights alone, naming a LoRA rank
     ahead = plan.preflight(model_cfg, train_cfg, layout, enforce=check_memory, say=log)
     horizon = None
@@ -135,9 +138,8 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, settled: resolved.
     seq_len, layout = settled.seq_len, settled.layout
     tokenizer, chat_record = batches.for_chats(load_tokenizer(model_cfg.tokenizer), train_cfg,
                                                resume=resume, say=log)
-    data_dir = prepare_in_job(train_cfg.data, train_cfg.data_root, model_cfg.tokenizer,
-                              seq_len=seq_len, truncate=train_cfg.data_truncate,
-                              template=chat_record.get("chat_template"))
+    objective = objectives.for_run(train_cfg)
+    data_dir = objective.prepare(model_cfg, train_cfg, seq_len, chat_record.get("chat_template"))
     started = time.monotonic()
     meta = check_tokenizer(data_dir, model_cfg, train_cfg.model)
 
@@ -164,7 +166,8 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, settled: resolved.
     return Run(model_cfg=model_cfg, train_cfg=train_cfg, settled=settled, dir=run_dir,
                layers=pipeline.LayerOrder(layout, model_cfg.num_layers), data_dir=data_dir,
                model=model, optimizer=optimizer, checkpointer=checkpointer,
-               feed=Feed(training, layout.put_batch), tokenizer=tokenizer, documents=documents,
+               feed=Feed(training, objective.put(layout)), objective=objective,
+               tokenizer=tokenizer, documents=documents,
                rng=jax.random.key(train_cfg.seed), record=record, started=started)
 
 
@@ -254,8 +257,7 @@ def run_loop(run: Run) -> bool:
         with run.layout.active(), interrupts as stop:
             while run.step < run.train_cfg.steps and not stop.requested:
                 profiler.before(run.step, pending and pending[1], run.checkpointer.wait)
-                reported = steps.train_step(run.model, run.optimizer, run.feed.take(), run.rng,
-                                            rates, microbatches=run.train_cfg.microbatches)
+                reported = run.objective.step(run, run.feed.take(), rates)
                 run.feed.fill()  # the next batch read and placed while this step runs
                 run.step += 1
                 if pending is not None:  # read step k-1 while step k runs
@@ -324,9 +326,7 @@ def _save_and_evaluate(run: Run, recorder: metrics.Recorder) -> None:
     if _due(run, "save_every"):
         _save(run)
     if _due(run, "eval_every"):
-        recorder.record_eval(run.step, batches.evaluate(
-            run.model, run.tokenizer, run.data_dir, run.train_cfg, run.settled.seq_len,
-            run.layout, documents=run.documents))
+        recorder.record_eval(run.step, run.objective.evaluate(run))
 
 
 def finish(run: Run, *, interrupted: bool, sample: bool) -> dict[str, Any]:

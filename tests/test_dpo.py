@@ -112,7 +112,9 @@ def _ours(run, pairs, tmp_path, preset, reference=None, *extra) -> dict:
     return next(r for r in rows if r["step"] == 1 and "loss" in r)
 
 
-CASES = [pytest.param("smollm2", STANDARD, "dp", False, id="standard-dp"),
+# The quick suite compares the formulas with a reference under fsdp; -m slow the rest.
+CASES = [pytest.param("smollm2", STANDARD, "dp", False, id="standard-dp",
+                      marks=pytest.mark.slow),
          pytest.param("smollm2", STANDARD, "fsdp", True, id="standard-reference-fsdp"),
          pytest.param("smollm2-instruct", CONVERSATIONAL, "fsdp", False,
                       id="conversational-fsdp", marks=pytest.mark.slow),

@@ -16,7 +16,9 @@ from minigpt.config.model import (
 from minigpt.config.values import ConfigError, check_fields
 
 # What a run may learn from: the next token of text (or of chats' replies), or preferences.
-OBJECTIVES = ("lm", "dpo")
+OBJECTIVES = ("lm", "dpo", "grpo")
+GRPO_LOSSES = ("dapo", "grpo", "dr_grpo")
+GRPO_SCALES = ("group", "batch", "none")
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,28 @@ class TrainConfig:
     objective: str = "lm"
     reference: str = ""
     dpo_beta: float = 0.1
+    # GRPO ("grpo", docs/post_training.md), with TRL's defaults: `num_generations` completions
+    # of each prompt (batch_size counts completions), at most `max_completion_length` tokens,
+    # drawn at `temperature` (top_k 0, top_p 1, min_p 0: no filter) and scored by `rewards`
+    # (FILE.py:FUNC, --reward) weighted by `reward_weights` (empty: 1 each), each call at most
+    # `reward_timeout` seconds; advantages within a prompt's group scaled as `scale_rewards`
+    # says; the ratio clipped at epsilon (epsilon_high above: 0, the same); a KL to the start
+    # weights of weight `grpo_beta`; `num_iterations` steps on each batch of completions.
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    rewards: tuple[str, ...] = ()
+    reward_weights: tuple[float, ...] = ()
+    reward_timeout: float = 60.0
+    scale_rewards: str = "group"
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.0
+    grpo_beta: float = 0.0
+    num_iterations: int = 1
 
     def __post_init__(self) -> None:
         """Every value checked; long because each check is a statement of its own."""
@@ -160,6 +184,29 @@ class TrainConfig:
                               f"{', '.join(OBJECTIVES)}")
         if not (self.dpo_beta > 0 and math.isfinite(self.dpo_beta)):
             raise ConfigError(f"train.dpo_beta must be a positive number, got {self.dpo_beta}")
+        self._check_grpo()
+
+    def _check_grpo(self) -> None:
+        if self.objective == "grpo" and self.batch_size % self.num_generations:
+            raise ConfigError(f"train.batch_size {self.batch_size} counts completions: it must "
+                              f"be a multiple of train.num_generations {self.num_generations}")
+        for name in ("num_generations", "max_completion_length", "num_iterations"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.objective == "grpo" and self.num_generations < 2:
+            raise ConfigError("train.num_generations must be at least 2: advantages compare "
+                              "a prompt's completions with each other")
+        if not (self.temperature > 0 and self.top_k >= 0 and 0 < self.top_p <= 1
+                and 0 <= self.min_p < 1 and self.reward_timeout > 0):
+            raise ConfigError("train.temperature and train.reward_timeout must be > 0, top_k >= "
+                              "0, top_p in (0, 1] and min_p in [0, 1)")
+        if not (0 <= self.epsilon < 1 and self.epsilon_high >= 0 and self.grpo_beta >= 0):
+            raise ConfigError("train.epsilon must be in [0, 1), train.epsilon_high and "
+                              "train.grpo_beta >= 0")
+        for name, allowed in (("loss_type", GRPO_LOSSES), ("scale_rewards", GRPO_SCALES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"unknown train.{name} {getattr(self, name)!r}: choose one of "
+                                  f"{', '.join(allowed)}")
         if self.lora_rank and not self.lora_targets:
             raise ConfigError("train.lora_targets is empty: name the projections to adapt "
                               f"(default {','.join(LORA_TARGETS)})")

@@ -24,6 +24,7 @@ import grain
 import numpy as np
 
 import minigpt.data.preferences as preferences
+import minigpt.data.prompts as prompts
 from minigpt.data.chats import load_rows
 from minigpt.data.corpus import TokenStream, open_corpus
 from minigpt.data.documents import positions_in_documents, window_documents
@@ -117,25 +118,24 @@ def stored_rows(arrays: dict[str, np.ndarray]):
     return gather
 
 
-def _pairs(data_dir: str | Path, split: str, seq_len: int, batch_size: int):
-    """A function gathering prepared preference pairs (seq_len + 1 tokens each) by index, and
-    how many there are."""
-    arrays = preferences.load_rows(data_dir, split)
-    count = len(arrays["pair"])
-    if arrays["ids"].shape[-1] != seq_len + 1:
-        raise DataError(f"{data_dir} holds pairs of {arrays['ids'].shape[-1]} tokens, not "
-                        f"{seq_len + 1}")
+def _stored(data_dir: str | Path, kind: str, split: str, seq_len: int, batch_size: int):
+    """A function gathering prepared preference pairs (seq_len + 1 tokens each) or prompts
+    (windows of seq_len) by index, and how many there are."""
+    arrays = (preferences if kind == "preferences" else prompts).load_rows(data_dir, split)
+    count, width = len(arrays["row" if kind == "prompts" else "pair"]), arrays["ids"].shape[-1]
+    if width != seq_len + (kind == "preferences"):
+        raise DataError(f"{data_dir} holds {kind} of {width} tokens, not for windows of "
+                        f"{seq_len}")
     if count < batch_size:
-        raise DataError(f"the {split} split of {data_dir} has {count} pairs, fewer than one "
-                        f"batch of {batch_size}: give a smaller --batch-size (it counts pairs) "
-                        f"or more pairs")
+        raise DataError(f"the {split} split of {data_dir} has {count} {kind}, fewer than one "
+                        f"batch of {batch_size}: give a smaller --batch-size or more {kind}")
     return (lambda rows: {k: a[rows] for k, a in arrays.items()}), count
 
 
 def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size: int, seed: int,
                    shuffle: bool = True, num_epochs: int | None = None, process_index: int = 0,
-                   process_count: int = 1, documents: tuple[int, int | None] | None = None
-                   ) -> grain.DatasetIterator:
+                   process_count: int = 1, documents: tuple[int, int | None] | None = None,
+                   repeat: int = 1) -> grain.DatasetIterator:
     """Batches `{"inputs", "targets"}` (int32 [batch_size // process_count, seq_len]) of a split;
     with `documents` (the begin and end tokens: `minigpt.data.documents`) also the windows'
     "segment_ids", "positions" and "loss_mask", so that documents stay apart.
@@ -143,7 +143,8 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
     Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]. Global batch k holds windows
     order[k*batch_size : (k+1)*batch_size] of the (shuffled, repeated) window order, and process
     p yields its rows p*b .. (p+1)*b - 1. `num_epochs=None` repeats forever; a last partial batch
-    is dropped. `get_state()` / `set_state()` save and restore the position.
+    is dropped. `get_state()` / `set_state()` save and restore the position. With `repeat`,
+    each batch comes that many times in a row (GRPO's `num_iterations` on one batch).
     """
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
@@ -156,8 +157,9 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
         raise DataError(f"num_epochs must be positive or None (forever), got {num_epochs}")
     order = Permutation  # conversations and folders prepared before shards keep their order
     kind = load_meta(data_dir).get("kind")
-    if kind == "preferences":  # pairs of replies (minigpt.data.preferences)
-        (gather, num_windows), will_need = _pairs(data_dir, split, seq_len, batch_size), None
+    if kind in ("preferences", "prompts"):  # DPO's pairs, GRPO's prompts
+        (gather, num_windows), will_need = _stored(data_dir, kind, split, seq_len,
+                                                   batch_size), None
     elif kind == "chats":  # whole windows of conversations
         arrays = load_rows(data_dir, split)
         num_windows = len(arrays["inputs"])
@@ -183,7 +185,9 @@ def batch_iterator(data_dir: str | Path, split: str, *, seq_len: int, batch_size
                      first_row=process_index * rows, seed=seed, shuffle=shuffle, order=order,
                      will_need=will_need)
     num_batches = (sys.maxsize if num_epochs is None else num_epochs * num_windows) // batch_size
-    batches = grain.MapDataset.range(num_batches).map(read)
+    if repeat > 1:  # (forever is forever with or without it)
+        num_batches *= 1 if num_epochs is None else repeat
+    batches = grain.MapDataset.range(num_batches).map(lambda i: read(i // repeat))
     # Batches are cheap to gather from the page cache; a small prefetch overlaps them with the
     # train step without holding hundreds of them in memory (Grain's default buffer is 500).
     options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)

@@ -27,6 +27,7 @@ from minigpt.data.prepare_source import (
     prepare_source,
     remove_shards,
 )
+from minigpt.data.prompts import prepare_prompts
 from minigpt.data.shards import vocabulary_hash
 from minigpt.data.token_files import SPLITS, DataError, load_meta, split_path
 from minigpt.files import sha256
@@ -165,7 +166,8 @@ def _text_files(files: Sequence[str | Path]) -> list[Path]:
 
 def resolve_data(data: str | Sequence[str], root: str | Path = "data",
                  tokenizer: str | None = None, *, seq_len: int = 0, truncate: bool = False,
-                 template: str | None = None, preferences: bool = False) -> Path:
+                 template: str | None = None, objective: str = "lm",
+                 max_completion: int = 0) -> Path:
     """A prepared directory (shards and meta.json) for a dataset name or text files.
 
     `"tinystories"` / `"tinystories-v2"` download and prepare into `root` on first use; a
@@ -173,16 +175,18 @@ def resolve_data(data: str | Sequence[str], root: str | Path = "data",
     another); .jsonl files (or folders of them) are conversations, rendered with the
     tokenizer's chat template (or `template`, or ChatML: `minigpt.data.chats`) and packed
     into windows of `seq_len` (`truncate`: cut a longer one instead of refusing it); anything
-    else is a list of text files. Text is tokenized with `tokenizer`, GPT-2's when None. With
-    `preferences`, .jsonl files are DPO's pairs (`minigpt.data.preferences`), in windows of
-    `seq_len` + 1 tokens.
+    else is a list of text files. Text is tokenized with `tokenizer`, GPT-2's when None. For
+    `objective` "dpo", .jsonl files are pairs (`minigpt.data.preferences`, windows of seq_len
+    + 1); for "grpo", prompts (`minigpt.data.prompts`, leaving `max_completion` tokens).
     """
     items = [data] if isinstance(data, (str, os.PathLike)) else list(data)
     if not items:
         raise DataError("no data given: name a dataset (tinystories, tinystories-v2) or files")
-    if preferences:
+    if objective != "lm":
         rendering, _ = chat_template.with_template(load_tokenizer(tokenizer), template)
-        return prepare_preferences(items, root, rendering, tokenizer, seq_len)
+        if objective == "dpo":
+            return prepare_preferences(items, root, rendering, tokenizer, seq_len)
+        return prepare_prompts(items, root, rendering, tokenizer, seq_len, max_completion)
     if chats.is_chats(items):
         if seq_len < 1:
             raise DataError("conversations are packed into windows: give their length (seq_len)")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from minigpt.decoding.engine import Engine
-from minigpt.decoding.request import Event, Request, Tokens
+from minigpt.decoding.request import End, Event, Request, Tokens
 from minigpt.decoding.sampler import seed_key
 from minigpt.decoding.text import TextStream
 from minigpt.models import DecoderLM
@@ -66,14 +66,16 @@ def decode_all(model: DecoderLM, prompts: Sequence[Sequence[int]], *, max_new: i
                stop_ids: Sequence[int] = (), slots: int | None = None, slide: int = 0,
                streams: Sequence[TextStream] | None = None,
                on_tokens: Callable[[int, list[int]], None] | None = None,
-               on_done: Callable[[int], None] | None = None) -> list[list[int]]:
+               on_done: Callable[[int], None] | None = None,
+               keep_stop: bool = False) -> list[list[int]]:
     """Each prompt's new tokens (the stop id left out; through the token that completes a stop
     string, where its stream has some), decoded by one engine: at most `max_new`, stopping at
     `stop_ids`, every prompt with its own `settings` (one record for all, or one each).
     `slots`: rows decoded at once (default: one per prompt); `slide` > 0 lets a request go
     past the context from its last `slide` tokens (`Request.slide`), else every prompt and
     its new tokens must fit in the context. `on_tokens(i, ids)` sees prompt i's tokens as
-    they come, `on_done(i)` its end."""
+    they come, `on_done(i)` its end. With `keep_stop`, a run that ended at a stop id keeps it
+    (a rollout's completion counts its end token)."""
     if not prompts:
         return []
     context = model.config.context_len
@@ -92,6 +94,8 @@ def decode_all(model: DecoderLM, prompts: Sequence[Sequence[int]], *, max_new: i
 
     def sink(i: int, event: Event, request: Request) -> None:
         if not isinstance(event, Tokens):  # its end (run on this thread: no Failed events)
+            if keep_stop and isinstance(event, End) and request.stopped_at is not None:
+                results[i].append(request.stopped_at)
             if on_done is not None and not request.cancelled:
                 on_done(i)
             return

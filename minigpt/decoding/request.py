@@ -94,6 +94,7 @@ class Request:
     in_window: int = 0  # tokens received since
     history: list[int] = dataclasses.field(default_factory=list)  # with `slide`: all it drew
     epoch: int = 0  # windows started: results of calls from before the latest are dropped
+    stopped_at: int | None = None  # the stop id that ended it
 
     def __post_init__(self):
         if self.key is None:
@@ -112,6 +113,8 @@ class Request:
             "length" if self.generated + keep >= self.max_new else None)
         if end is None and keep == room:
             end = "full" if self.slide else "length"
+        if stop is not None:
+            self.stopped_at = tokens[stop]
         keep = keep if stop is None else stop
         self.history += tokens[:keep] if self.slide else []
         self.generated += keep

@@ -30,9 +30,6 @@ from minigpt.optim.steps import loss_and_grads
 # The metrics a step reports beside its loss, by TRL's names.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
-# Their TensorBoard tags, in training and held out (`minigpt.train.metrics`).
-TENSORBOARD_TAGS = {f"{held}{k}": f"{tag}/{k}" for k in METRICS
-                    for held, tag in (("", "train"), ("eval_", "eval"))}
 
 
 def _rows(batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -109,7 +106,11 @@ def evaluate(logps: np.ndarray, reference: np.ndarray, beta: float) -> dict[str,
 
 
 def describe(result: dict[str, float]) -> str:
-    """Held-out figures as the log shows them: "DPO loss 0.4123, chosen over rejected 0.938,
-    margin 1.520"."""
+    """Post-training's held-out figures as the log shows them: "DPO loss 0.4123, chosen over
+    rejected 0.938, margin 1.520"; GRPO's "reward 0.620 (correct 0.620)"."""
+    if "eval_reward" in result:
+        each = [f"{k.split('/')[1]} {v:.3f}" for k, v in result.items()
+                if k.startswith("eval_rewards/") and k.endswith("/mean")]
+        return f"reward {result['eval_reward']:.3f} ({', '.join(each)})"
     return ("DPO loss {eval_loss:.4f}, chosen over rejected {eval_rewards/accuracies:.3f}, "
             "margin {eval_rewards/margins:.3f}".format_map(result))

@@ -50,7 +50,7 @@ def for_chats(tokenizer, cfg: TrainConfig, *, resume: bool, say) -> tuple[Any, d
 
 
 # Data prepared for a run (conversations, preference pairs) rather than a corpus of shards.
-PREPARED = ("chats", "preferences")
+PREPARED = ("chats", "preferences", "prompts")
 
 
 def corpus_fingerprint(data_dir: Path, say) -> str:

@@ -49,6 +49,8 @@ def _train_flags(args: argparse.Namespace) -> dict[str, Any]:
              if getattr(args, flag) is not None}
     if "data" in given:
         given["data"] = tuple(given["data"])
+    if args.reward:
+        given["rewards"] = tuple(args.reward)
     if args.time_budget is not None:
         if args.steps is not None:
             raise ConfigError("give --steps or --time-budget, not both")

@@ -20,12 +20,14 @@ class Feed:
     def __init__(self, batches, put: Callable[[dict[str, Any]], dict[str, Any]]):
         self.batches, self.put = batches, put
         self._taken_state = batches.get_state()  # after the last batch a step took
+        self.before_last = self._taken_state  # before it
         self._waiting = None  # (the placed batch, the iterator's state after it)
 
     def take(self) -> dict[str, Any]:
         """The next batch, on the devices."""
         if self._waiting is None:
             self.fill()
+        self.before_last = self._taken_state  # where a step that fails may go on from
         batch, self._taken_state = self._waiting
         self._waiting = None
         return batch

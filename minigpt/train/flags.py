@@ -54,10 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a new run from RUN's latest weights (trained here, or imported "
                         "with python -m minigpt.hub): its model and tokenizer, a fresh "
                         "optimizer, step 0")
-    p.add_argument("--objective", choices=("lm", "dpo"),
+    p.add_argument("--objective", choices=("lm", "dpo", "grpo"),
                    help="what the run learns: lm, the next token of text or chats (default); "
                         "dpo, preference pairs from --data prefs.jsonl against a frozen "
-                        "reference (docs/post_training.md)")
+                        "reference; grpo, rewards (--reward) of its own completions to the "
+                        "prompts of --data prompts.jsonl (docs/post_training.md)")
+    p.add_argument("--reward", action="append", metavar="FILE.py:FUNC",
+                   help="with --objective grpo: a reward function, f(prompts, completions, "
+                        "**columns) -> list of floats (TRL's signature); repeat for several")
     p.add_argument("--reference", metavar="RUN",
                    help="with --objective dpo: the run whose weights are the reference "
                         "(default: the --init-from run's, as they are at the start)")

@@ -25,12 +25,12 @@ import numpy as np
 from tqdm import tqdm
 
 import minigpt.models.flops as flops
-import minigpt.optim.preference as preference
 from minigpt import pipeline
 from minigpt.config import TrainConfig
 from minigpt.errors import UserError
 from minigpt.files import replacing, shadowed
 from minigpt.models import kernels
+from minigpt.optim import grpo, preference
 from minigpt.runs import RunDir, resolved
 
 
@@ -179,7 +179,7 @@ class TrainingDiverged(UserError, RuntimeError):
 def describe_eval(result: dict[str, float]) -> str:
     """Held-out metrics as the log shows them: "eval loss 2.4567 nats/token, 0.912
     bits/byte"; of pairs: "DPO loss 0.4123, chosen over rejected 0.938, margin 1.520"."""
-    if "eval_rewards/accuracies" in result:
+    if "eval_rewards/accuracies" in result or "eval_reward" in result:
         return preference.describe(result)
     text = f"eval loss {result['eval_loss']:.4f} nats/token"
     if "eval_bits_per_byte" in result:
@@ -223,7 +223,7 @@ class TensorBoard:
 
     def write(self, record: dict[str, Any]) -> None:
         for key, tag in {**TENSORBOARD_TAGS, **EXPERT_TENSORBOARD_TAGS,
-                         **preference.TENSORBOARD_TAGS}.items():
+                         **grpo.tensorboard_tags(record)}.items():
             value = record.get(key)
             for i, entry in enumerate(value if isinstance(value, list) else ()):
                 self._writer.add_scalar(f"{tag}/{i}", entry, record["step"])
@@ -302,7 +302,7 @@ class Recorder:
     def record_eval(self, step: int, result: dict[str, float]) -> None:
         """Log held-out metrics: {"eval_loss" (nats per token), and where measured
         "eval_bits_per_byte"}; the perplexity comes with the loss."""
-        if "eval_rewards/accuracies" not in result:  # a DPO loss has no perplexity
+        if "eval_loss" in result and "eval_rewards/accuracies" not in result:  # DPO's: none
             result = {**result, "eval_perplexity": math.exp(min(result["eval_loss"], 50))}
         self.write({"step": step, **result})
         if self.progress is not None:
@@ -394,6 +394,7 @@ def summarise(run: RunDir, summary: dict[str, Any]) -> dict[str, Any] | None:
     records = read_metrics(run.metrics)
     plot_losses(records, run.loss_plot)
     summary["final_loss"] = next((r["loss"] for r in reversed(records) if "loss" in r), None)
-    held_out = next((r for r in reversed(records) if "eval_loss" in r), None)
+    held_out = next((r for r in reversed(records) if any(k.startswith("eval_") for k in r)),
+                    None)
     summary.update({k: (held_out or {}).get(k) for k in ("eval_loss", "eval_bits_per_byte")})
     return held_out

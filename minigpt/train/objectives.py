@@ -4,6 +4,8 @@ The trainer asks its run's objective for these and nothing else, so each objecti
 here whole:
 
 - `Imitation` ("lm"): the next token of text, or of chats' replies (`minigpt.data.chats`).
+- `Reinforcement` ("grpo", `minigpt.train.grpo`): completions drawn on the decoding engine
+  and scored by reward functions.
 - `Preference` ("dpo"): pairs of replies (`minigpt.data.preferences`) against a frozen
   reference (`minigpt.optim.preference`). The reference's log-probabilities of every pair are
   computed before the first step, from the run's own starting weights (with LoRA the base, the
@@ -31,18 +33,36 @@ REFERENCE_FILE = "reference_logps.npz"
 
 
 def for_run(train_cfg: TrainConfig):
+    if train_cfg.objective == "grpo":
+        from minigpt.train.grpo import Reinforcement
+
+        return Reinforcement(train_cfg)
     return Preference() if train_cfg.objective == "dpo" else Imitation()
 
 
-def check(model_cfg: ModelConfig, train_cfg: TrainConfig, layout, *, resume: bool) -> None:
+def check(model_cfg: ModelConfig, train_cfg: TrainConfig, layout, seq_len: int, *,
+          resume: bool) -> None:
     """Refuse, before anything is written, what an objective cannot train."""
     if train_cfg.objective == "lm":
         if train_cfg.reference:
             raise ConfigError("--reference is the reference of --objective dpo; drop it")
         return
+    name = train_cfg.objective
     if not (train_cfg.init_from or resume):
-        raise ConfigError("--objective dpo tunes a trained model: give --init-from RUN (a run "
-                          "trained here or imported with python -m minigpt.hub)")
+        raise ConfigError(f"--objective {name} tunes a trained model: give --init-from RUN (a "
+                          f"run trained here or imported with python -m minigpt.hub)")
+    if name == "grpo":
+        import jax
+
+        from minigpt.train.rewards import load
+
+        load(train_cfg.rewards, train_cfg.reward_weights)  # a bad file is refused now
+        if jax.process_count() > 1:
+            raise ConfigError("--objective grpo draws its completions in one process: run it "
+                              "without --coordinator or --distributed")
+        if train_cfg.max_completion_length >= seq_len:
+            raise ConfigError(f"train.max_completion_length {train_cfg.max_completion_length} "
+                              f"leaves no room for a prompt in train.seq_len {seq_len}")
     if train_cfg.reference:
         from minigpt.runs import RunDir
 
@@ -55,7 +75,7 @@ def check(model_cfg: ModelConfig, train_cfg: TrainConfig, layout, *, resume: boo
                               f"the model {model_cfg.vocab_size:,}: the reference must read "
                               f"the same tokens")
     if layout.stages > 1 or layout.ways("seq") > 1:
-        raise ConfigError(f"--objective dpo sums each reply's log-probabilities over the whole "
+        raise ConfigError(f"--objective {name} scores each reply's tokens over the whole "
                           f"sequence at once, which preset {layout.name!r} splits into "
                           f"{'pipeline stages' if layout.stages > 1 else 'sequence shards'}: "
                           f"choose a preset without them (dp, fsdp, tp, dp_tp, fsdp_tp)")
@@ -68,6 +88,10 @@ class Imitation:
                 template: str | None) -> Path:
         return prepare_in_job(cfg.data, cfg.data_root, model_cfg.tokenizer, seq_len=seq_len,
                               truncate=cfg.data_truncate, template=template)
+
+    def batches(self, data_dir: Path, cfg: TrainConfig, seq_len: int, layout, documents):
+        return batches.split_batches(data_dir, "train", cfg, seq_len, layout,
+                                     documents=documents)
 
     def begin(self, run, *, resume: bool, say) -> None:
         pass
@@ -84,7 +108,7 @@ class Imitation:
                                 run.settled.seq_len, run.layout, documents=run.documents)
 
 
-class Preference:
+class Preference(Imitation):
     """DPO: the sigmoid loss of TRL's `DPOTrainer` on pairs, against the reference."""
 
     def __init__(self):
@@ -93,7 +117,7 @@ class Preference:
     def prepare(self, model_cfg: ModelConfig, cfg: TrainConfig, seq_len: int,
                 template: str | None) -> Path:
         return prepare_in_job(cfg.data, cfg.data_root, model_cfg.tokenizer, seq_len=seq_len,
-                              template=template, preferences=True)
+                              template=template, objective="dpo")
 
     def begin(self, run, *, resume: bool, say) -> None:
         """The reference's log-probabilities of every pair: read again on resume, else

@@ -120,7 +120,8 @@ def check_request(model_cfg: ModelConfig, train_cfg: TrainConfig, *, resume: boo
                           f"table has {model_cfg.vocab_size:,} rows: ids past them have no "
                           f"embedding (a config.json naming another model's tokenizer?)")
     layout = resolved.layout(model_cfg, train_cfg)
-    objectives.check(model_cfg, train_cfg, layout, resume=resume)
+    objectives.check(model_cfg, train_cfg, layout, resolved.seq_len(model_cfg, train_cfg),
+                     resume=resume)
     state.check(model_cfg, train_cfg, layout)  # the weights alone, naming a LoRA rank
     ahead = plan.preflight(model_cfg, train_cfg, layout, enforce=check_memory, say=log)
     horizon = None
@@ -151,8 +152,7 @@ def build_run(model_cfg: ModelConfig, train_cfg: TrainConfig, settled: resolved.
     if train_cfg.init_from and not resume:
         base = state.start_from(model, Path(train_cfg.init_from), settled.adapters, say=log)
     documents = batches.documents(tokenizer, train_cfg)
-    training = batches.split_batches(data_dir, "train", train_cfg, seq_len, layout,
-                                     documents=documents)
+    training = objective.batches(data_dir, train_cfg, seq_len, layout, documents)
     run_dir = RunDir(train_cfg.out)
     checkpointer = Checkpointer(run_dir.checkpoints, keep=train_cfg.keep_checkpoints)
     for name in checkpointer.leftovers:

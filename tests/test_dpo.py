@@ -11,7 +11,9 @@ Needs the [hf] extra and trl (a test dependency); skipped, saying why, without t
 import json
 import math
 
+import jax
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch is the [hf] extra (a large download)")
 transformers = pytest.importorskip("transformers", reason="transformers is the [hf] extra")
@@ -216,3 +218,35 @@ def test_a_resumed_dpo_run_continues_exactly_and_learns_its_pairs(policy_run, tm
     assert trained[0]["rewards/accuracies"] == 0.0  # the reference is the start
     held_out = [r for r in whole if "eval_rewards/accuracies" in r][-1]
     assert held_out["eval_rewards/accuracies"] >= 0.75 and held_out["eval_loss"] < math.log(2)
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_trains_the_adapters_against_the_base_and_exports(policy_run, tmp_path):
+    """With LoRA the reference is the base model (the adapters start at zero), so step 1 is
+    the run without adapters' step 1; later steps move the adapters alone, and the result
+    exports (merged) as a checkpoint transformers loads."""
+    import numpy as np
+
+    from minigpt.runs import load_run
+
+    data = _pairs_file(tmp_path / "prefs.jsonl", STANDARD)
+    out = tmp_path / "lora"
+    assert cli.run(["--init-from", str(policy_run), "--objective", "dpo", "--data", str(data),
+                    "--steps", "3", "--batch-size", "8", "--seq-len", "127", "--out", str(out),
+                    "--lr", "1e-2", "--no-sample", "--set", "train.lora_rank=4",
+                    "--set", "model.dtype=float32", "--set", "train.warmup_steps=0",
+                    "--set", f"data_root={tmp_path / 'data'}"], train) == 0
+    rows = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[0]["logps/chosen"] == pytest.approx(-46.492927, abs=1e-4)  # TRL's, above
+    assert rows[-1]["rewards/margins"] > 0 and rows[-1]["loss"] < math.log(2)
+    base = load_run(policy_run, "dp")
+    tuned = load_run(out, "dp", merge_adapters=True)
+    moved = [not np.allclose(a, b) for a, b in zip(
+        jax.tree.leaves(nnx.state(base.model, nnx.Param)),
+        jax.tree.leaves(nnx.state(tuned.model, nnx.Param)))]
+    assert any(moved)
+    exported = tmp_path / "exported"
+    assert hub.main(["export", "--run", str(out), "--out", str(exported)]) == 0
+    transformers.AutoModelForCausalLM.from_pretrained(exported)

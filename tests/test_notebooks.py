@@ -28,6 +28,12 @@ EXPECTED = {
                                     "held-out conversations after", "reply after:",
                                     "MiB of float32 weights", "model.safetensors",
                                     "adapter_model.safetensors"],
+    "05_post_training.ipynb": ["held out: [", "accuracy after imitation:", "reward by step",
+                               "held-out reward by step (greedy):", "sample completion:",
+                               "accuracy after GRPO:", "points on numbers never trained on",
+                               "held-out pairs preferred by the starting model:",
+                               "held-out rewards/accuracies by step:",
+                               "held-out pairs preferred after DPO:"],
 }
 
 

@@ -260,3 +260,18 @@ def test_the_loss_and_its_gradient_equal_trls(loss_type, beta, trl_pair):
                  *(("kl",) if beta else ())):
         assert float(metrics[name]) == pytest.approx(logged[name], rel=1e-4, abs=1e-6), name
     assert 0 < float(metrics["clip_ratio/region_mean"]) < 1  # the clip is exercised
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"answer": "1"}, "prompts.jsonl:2 has no prompt"),
+    ({"prompt": "after " * 60}, "prompts.jsonl:2: the prompt is"),
+    ({"prompt": [{"role": "user"}]}, "prompts.jsonl:2: prompt must be messages"),
+], ids=["no-prompt", "too-long", "bad-messages"])
+def test_bad_prompts_are_refused_with_their_line(row, message, setup, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a cat"}) + "\n" + json.dumps(row) + "\n")
+    args = _args(setup, tmp_path / "out")
+    args[args.index("--data") + 1] = str(prompts)
+    capsys.readouterr()
+    refused(capsys, cli.run(args, train), message)
+    assert not (tmp_path / "out").exists()

@@ -42,8 +42,9 @@ def for_chats(tokenizer, cfg: TrainConfig, *, resume: bool, say) -> tuple[Any, d
         recorded = RunDir(source).read().record.get("chat_template")
     rendering, defaulted = chat_template.with_template(tokenizer, recorded)
     if defaulted:
-        say("the model's vocabulary has no chat template: conversations are rendered as ChatML, "
-            "its end token closing each turn (recorded in config.json; --chat renders the same)")
+        what = "conversations" if cfg.objective == "lm" else "conversational rows (if any)"
+        say(f"the model's vocabulary has no chat template: {what} are rendered as ChatML, its "
+            f"end token closing each turn (recorded in config.json; --chat renders the same)")
     if isinstance(rendering, chat_template.Templated):
         return rendering, {"chat_template": rendering.chat_template}
     return rendering, {}

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from minigpt import CallableModule, chat_template, sharding
+from minigpt.config import DTYPES
 from minigpt.decoding import GREEDY_BELOW, Settings, TextStream, decode_all, key_data
 from minigpt.errors import UserError, exit_code
 from minigpt.models import DecoderLM
@@ -233,6 +234,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="run directory written by minigpt.train or "
                                                 "minigpt.hub import")
     p.add_argument("--prompt", default="Once upon a time")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="what the model computes in: float32, as transformers does (exact to "
+                        "1e-4), bfloat16 (half the bytes a step reads, float32 accumulation) "
+                        "or auto (bfloat16 on an accelerator, float32 on a CPU)")
     p.add_argument("--chat", metavar="MESSAGE", help="send MESSAGE through the model's chat "
                                                      "template and print only its reply")
     p.add_argument("--system", metavar="MESSAGE", help="a system message before --chat's")
@@ -286,7 +291,7 @@ def _tell(args: argparse.Namespace) -> None:
     check_request(cfg.context_len, [len(prompt)], max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   min_p=args.min_p, has_rng=True)
-    loaded = load_run(args.run, args.preset)
+    loaded = load_run(args.run, args.preset, dtype=args.dtype)
     model, tokenizer, step = loaded.model, loaded.tokenizer, loaded.step
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)

@@ -200,3 +200,39 @@ def test_evaluations_greedy_generations_are_generates(run, loaded):
     own = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     assert score == pytest.approx(sum(own[len(context) - 1 + i, t]
                                       for i, t in enumerate(continuation)), abs=1e-5)
+
+
+def test_bfloat16_decoding_scores_within_2e_2_of_float32_and_every_door_takes_dtype(run, loaded,
+                                                                                   capsys):
+    """`--dtype bfloat16` (vLLM's spelling): the engine scores a story's tokens within 2e-2 of
+    float32's log-probabilities; the command lines take the flag, refuse other values, and a
+    server says in /health what it computes in."""
+    from minigpt.decoding.engine import Engine
+    from minigpt.decoding.request import PromptScores, Request
+    from minigpt.runs import load_run
+    from minigpt.serve.server import open_service
+
+    story = loaded.tokenizer.encode_prompt(PROMPT + " ran to the park and saw a big red ball.")
+
+    def scores(model):
+        got = []
+        request = Request(story, 0, prompt_logprobs=True, top=1)
+        request.sink = lambda e: got.append(e) if isinstance(e, PromptScores) else None
+        Engine(model, slots=1, length=64, log=lambda line: None).run([request])
+        return np.array(got[0].logprobs)
+
+    half = load_run(run, dtype="bfloat16")
+    assert half.model.config.dtype == "bfloat16" and loaded.model.config.dtype != "bfloat16"
+    with loaded.layout.active():
+        exact, rounded = scores(loaded.model), scores(half.model)
+    assert len(exact) == len(story) - 1
+    np.testing.assert_allclose(rounded, exact, atol=2e-2)
+    assert not np.array_equal(rounded, exact)  # it did compute in bfloat16
+    capsys.readouterr()
+    assert main(["--run", str(run), "--dtype", "bfloat16", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    with pytest.raises(SystemExit) as refused_dtype:
+        main(["--run", str(run), "--dtype", "float16"])
+    assert refused_dtype.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
+    assert open_service(run, dtype="bfloat16", max_batch=1, log=lambda line: None).dtype == \
+        "bfloat16"

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from minigpt.config import DTYPES
 from minigpt.errors import exit_code
 from minigpt.eval.loading import EvalError, load
 from minigpt.eval.text import score_texts
@@ -47,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="documents per task (below 1: that fraction of them)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per batch")
     p.add_argument("--preset", default="dp", help="how to lay the model out on the devices")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="what the model computes in: float32 (the harness's numbers to 5e-5), "
+                        "bfloat16 or auto (bfloat16 on an accelerator)")
     p.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
     p.add_argument("--include-path", metavar="DIR", help="a folder of task YAML files, as the "
                                                          "harness's --include_path")
@@ -85,7 +89,7 @@ def _text(args: argparse.Namespace) -> int:
                             f"(--text {Path(file) / '*.txt'})")
         if not Path(file).is_file():
             raise EvalError(f"--text {file}: no such file")
-    evaluated = load(args.run, args.preset)
+    evaluated = load(args.run, args.preset, dtype=args.dtype)
     files, total = score_texts(evaluated, args.text, stride=args.stride,
                                batch_size=args.batch_size, progress=not args.json)
     run = evaluated.run

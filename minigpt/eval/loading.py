@@ -49,11 +49,11 @@ class Evaluated:
         return self.run.layout.ways(logical)
 
 
-def load(run: str | Path, preset: str = "dp") -> Evaluated:
+def load(run: str | Path, preset: str = "dp", *, dtype: str | None = None) -> Evaluated:
     """A run's latest weights laid out by `preset`; RunError (one line) for a directory that is
     not a run or holds no checkpoint yet. Adapters are merged into the weights they adapt:
     evaluation never trains them, and the merged model computes the same."""
     if not RunDir(run).path.is_dir():
         raise RunError(f"run directory {run} does not exist: give the --out of a training run "
                        f"or of python -m minigpt.hub import")
-    return Evaluated(load_run(run, preset, merge_adapters=True))
+    return Evaluated(load_run(run, preset, merge_adapters=True, dtype=dtype))

@@ -304,10 +304,13 @@ class LoadedRun:
         return self.layout.mesh
 
 
-def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = False) -> LoadedRun:
+def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = False,
+             dtype: str | None = None) -> LoadedRun:
     """Restore a run's latest model weights (no optimizer state) under a preset; a run whose
     model carries low-rank adapters gets them, applied beside its weights or, with
-    `merge_adapters`, folded into them.
+    `merge_adapters`, folded into them. `dtype` ("float32", "bfloat16" or "auto": bfloat16
+    on an accelerator, float32 on a CPU) is what it computes in, whatever it trained in (None: as
+    it trained); the weights stay as saved and the decoding engine casts them once.
 
     A latest checkpoint that cannot be read is skipped, with a warning, for the newest that can.
     Raises RunError for a directory that is not a run or holds no checkpoint yet.
@@ -316,7 +319,7 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
     if not directory.path.is_dir():
         raise RunError(f"run directory {directory.path} does not exist")
     saved = directory.read()
-    cfg = saved.model
+    cfg = saved.model if dtype is None else dataclasses.replace(saved.model, dtype=dtype)
     tokenizer = load_tokenizer(cfg.tokenizer)
     if tokenizer.n_rows > cfg.vocab_size:
         raise RunError(

@@ -95,7 +95,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": service.name, **service.engine.health()}
+        return {"status": "ok", "model": service.name, "dtype": service.dtype,
+                **service.engine.health()}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():

@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from minigpt.config import DTYPES
 from minigpt.errors import exit_code
 from minigpt.runtime import log, plain_warnings, set_simulated_devices
 from minigpt.serve.server import Server, bind, check_exposure, open_service
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="address to listen on; anything but loopback needs --api-key")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     p.add_argument("--preset", default="dp", help="how to lay the model out on the devices")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="what the model computes in: float32 (exact), bfloat16 (half the bytes "
+                        "a decode step reads) or auto (bfloat16 on an accelerator)")
     p.add_argument("--devices", type=int, default=0, help="simulate this many CPU devices")
     p.add_argument("--max-batch", type=int, default=16,
                    help="decode slots: sequences decoded at once (more wait in a queue)")
@@ -65,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         service = open_service(args.run, preset=args.preset, max_batch=args.max_batch,
                                max_len=args.max_len, api_key=args.api_key, name=args.name,
-                               log=log)
+                               log=log, dtype=args.dtype)
     except BaseException:
         bound.close()
         raise

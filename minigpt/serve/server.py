@@ -22,6 +22,7 @@ from minigpt import sharding
 from minigpt.decoding import Engine
 from minigpt.decoding.engine import TARGET_CALL_SECONDS
 from minigpt.errors import UserError
+from minigpt.models.execution import compute_dtype
 from minigpt.runs import load_run
 from minigpt.serve.service import Service
 
@@ -66,11 +67,11 @@ def check_port(port: int) -> None:
 
 def open_service(run_dir: str | Path, *, preset: str = "dp", max_batch: int = 16,
                  max_len: int | None = None, api_key: str | None = None,
-                 name: str | None = None, log=print) -> Service:
+                 name: str | None = None, log=print, dtype: str = "float32") -> Service:
     """Load a run and make its engine: what the app serves (`with` it to run the engine)."""
     if max_batch < 1:
         raise ServeError(f"--max-batch must be at least 1, got {max_batch}")
-    run = load_run(run_dir, preset, merge_adapters=True)
+    run = load_run(run_dir, preset, merge_adapters=True, dtype=dtype)
     context = run.model.config.context_len
     if max_len is not None and not 2 <= max_len <= context:
         raise ServeError(f"--max-len must be from 2 to the model's context ({context}), got "
@@ -81,6 +82,7 @@ def open_service(run_dir: str | Path, *, preset: str = "dp", max_batch: int = 16
     name = name or path.resolve().name
     created = int((path / "config.json").stat().st_mtime)
     return Service(engine=engine, tokenizer=run.tokenizer, name=name,
+                   dtype=compute_dtype(dtype),
                    context=context, vocab_size=run.model.config.vocab_size,
                    max_batch=max_batch, api_key=api_key,
                    aliases=frozenset({str(run_dir), str(path.resolve())}), created=created)

@@ -38,6 +38,7 @@ class Service:
     api_key: str | None = None
     aliases: frozenset[str] = frozenset()
     created: int = 0
+    dtype: str = "float32"  # what the model computes in (/health says)
 
     def __post_init__(self):
         self.chat_tokenizer = chat_template.with_template(self.tokenizer)[0]

@@ -21,7 +21,8 @@ slower than `--limit` is stopped and counted as far as it got; transformers serv
 load once.
 
     python bench/bench_serve.py [--models stories-cpu smol-135m] [--clients 1 4 16 64]
-        [--new-tokens 128] [--repeats 2] [--limit 600] [--no-transformers] [--no-append]
+        [--new-tokens 128] [--repeats 2] [--limit 600] [--dtype float32|bfloat16|auto]
+        [--no-transformers] [--no-append]
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ class Offline:
     """minigpt.generate on a batch of the prompts, in this process: tokens/s, compiled
     beforehand (each batch size once)."""
 
-    def __init__(self, run: Path):
+    def __init__(self, run: Path, dtype: str = "float32"):
         from minigpt.runs import load_run
 
-        self.run, self.warm = load_run(run), set()
+        self.run, self.warm = load_run(run, dtype=dtype), set()
 
     def __call__(self, batch: int, new_tokens: int) -> float:
         from minigpt.generate import generate_tokens
@@ -238,13 +239,14 @@ def bench_model(name: str, args, folder: Path) -> tuple[list, list[str]]:
     run = make_run(folder / name, model_config(name))
     rows, notes = [], []
     python = sys.executable
-    serve, offline = {}, Offline(run)
+    serve, offline = {}, Offline(run, args.dtype)
     # Every load on the default 16 slots; loads of more clients also on as many slots.
     configs = {16: list(args.clients), **{c: [c] for c in args.clients if c > 16}}
     for slots, clients in configs.items():
         serve[slots] = measure_server(
             [python, "-m", "minigpt.serve", "--run", str(run), "--port", "0", "--max-batch",
-             str(slots), "--max-len", str(MAX_LEN)], folder / f"serve-{name}-{slots}.log",
+             str(slots), "--max-len", str(MAX_LEN), "--dtype", args.dtype],
+            folder / f"serve-{name}-{slots}.log",
             name, clients, args.new_tokens, args.limit, pattern=r"serving \S+ on (http://\S+) ",
             extra={"ignore_eos": True}, repeats=args.repeats,
             beside=lambda c: offline(c, args.new_tokens))
@@ -272,7 +274,8 @@ def bench_model(name: str, args, folder: Path) -> tuple[list, list[str]]:
         alone = mine["beside"]
         other = theirs.get(c)
         stopped = " (stopped)" if other and other["stopped"] else ""
-        rows.append([name, c, slots, f"{mine['tokens/s']:,.0f}", f"{alone:,.0f}",
+        rows.append([f"{name} ({args.dtype})", c, slots, f"{mine['tokens/s']:,.0f}",
+                     f"{alone:,.0f}",
                      f"{mine['tokens/s'] / alone:.2f}x",
                      f"{other['tokens/s']:,.1f}{stopped}" if other else "-",
                      f"{mine['tokens/s'] / other['tokens/s']:.1f}x" if other else "-",
@@ -296,6 +299,9 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=600,
                         help="seconds a round may take; a slower round is stopped and counted "
                              "as far as it got")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="what minigpt.serve and offline generation compute in (--dtype); "
+                             "transformers serve runs the float32 export")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false")
     parser.add_argument("--no-append", dest="append", action="store_false")
     args = parser.parse_args()
@@ -321,7 +327,8 @@ def main() -> None:
             f"/v1/completions; minigpt.serve --max-batch 16 (slots) for every load and as many "
             f"slots as clients past 16, --max-len {MAX_LEN}; offline: generate_tokens at the "
             f"clients' batch, after each of {args.repeats} rounds on minigpt.serve (the fastest "
-            f"of each kept); transformers serve: each load once, stopped after {args.limit:g} s",
+            f"of each kept), both computing in {args.dtype} (--dtype); transformers serve: the "
+            f"float32 export, each load once, stopped after {args.limit:g} s",
             f"jax {jax.__version__}, transformers {transformers.__version__} (transformers "
             f"serve --continuous-batching --device cpu); random weights", *notes], body)
 

@@ -266,7 +266,8 @@ def test_the_loss_and_its_gradient_equal_trls(loss_type, beta, trl_pair):
     ({"answer": "1"}, "prompts.jsonl:2 has no prompt"),
     ({"prompt": "after " * 60}, "prompts.jsonl:2: the prompt is"),
     ({"prompt": [{"role": "user"}]}, "prompts.jsonl:2: prompt must be messages"),
-], ids=["no-prompt", "too-long", "bad-messages"])
+    ({"prompt": "a dog", "completions": "x"}, "prompts.jsonl:2: the column 'completions' is"),
+], ids=["no-prompt", "too-long", "bad-messages", "reserved-column"])
 def test_bad_prompts_are_refused_with_their_line(row, message, setup, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a cat"}) + "\n" + json.dumps(row) + "\n")
@@ -275,3 +276,20 @@ def test_bad_prompts_are_refused_with_their_line(row, message, setup, tmp_path, 
     capsys.readouterr()
     refused(capsys, cli.run(args, train), message)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_resume_between_iterations_refuses_a_batch_of_completions_drawn_later(setup,
+                                                                                tmp_path,
+                                                                                capsys):
+    """With num_iterations 2, step 4 trains on step 3's completions; resumed from checkpoint
+    3 after step 4 drew new ones (its checkpoint lost), the kept batch is not step 3's: one
+    line, not a silent step on the wrong completions."""
+    import shutil
+
+    out = tmp_path / "run"
+    extra = ["--set", "train.num_iterations=2", "--save-every", "3"]
+    assert cli.run(_args(setup, out, *extra, steps=5), train) == 0
+    shutil.rmtree(out / "checkpoints" / "5")
+    capsys.readouterr()
+    code = cli.run(_args(setup, out, *extra, "--resume", steps=5), train)
+    assert code == 2 and "holds completions drawn after step 2" in capsys.readouterr().err

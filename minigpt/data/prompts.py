@@ -33,6 +33,9 @@ from minigpt.files import replacing, sha256, write_text_atomic
 
 FORMAT = "minigpt-prompts-1"
 ARRAYS = ("ids", "length", "row")
+# What reward functions are given besides a row's columns (TRL's names), and TRL's own.
+RESERVED = frozenset({"prompts", "completions", "completion_ids", "completion",
+                      "trainer_state", "log_extra", "log_metric"})
 
 
 def read_prompts(path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -57,6 +60,10 @@ def read_prompts(path: Path) -> list[tuple[str, dict[str, Any]]]:
             elif not (isinstance(prompt, str) and prompt.strip()):
                 raise DataError(f"{where} has no prompt: each line is {{\"prompt\": text or "
                                 f"messages, ...other columns}}")
+            taken = sorted(set(row) & RESERVED)
+            if taken:
+                raise DataError(f"{where}: the column {taken[0]!r} is a name reward functions "
+                                f"are given by the trainer; rename it")
             rows.append((where, row))
     if not rows:
         raise DataError(f"{path} holds no prompts")

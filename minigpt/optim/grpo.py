@@ -96,7 +96,8 @@ def _grpo_loss(model, batch, keys, *, epsilon_low, epsilon_high, beta, temperatu
     logps, entropy = token_logps(model, batch["ids"], temperature)
     mask, weights = batch["mask"][:, 1:], batch["weights"][:, 1:]
     old = batch["old"] if "old" in batch else jax.lax.stop_gradient(logps)
-    ratio = jnp.exp(logps - old)
+    # outside the completions the differences are not read: 0 there, so no exp overflows
+    ratio = jnp.exp(jnp.where(mask > 0, logps - old, 0.0))
     adv = batch["advantages"][:, None]
     per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
     count = jnp.maximum(jnp.sum(mask), 1.0)
@@ -106,7 +107,7 @@ def _grpo_loss(model, batch, keys, *, epsilon_low, epsilon_high, beta, temperatu
 
     metrics = {"entropy": masked_mean(entropy)}
     if beta:
-        delta = batch["reference"] - logps
+        delta = jnp.where(mask > 0, batch["reference"] - logps, 0.0)
         kl = (jnp.exp(delta) - delta - 1) * ratio  # TRL's use_bias_correction_kl
         per_token = per_token + beta * kl
         metrics["kl"] = masked_mean(kl)

@@ -324,7 +324,7 @@ def load_run(run: str | Path, preset: str = "dp", *, merge_adapters: bool = Fals
     if tokenizer.n_rows > cfg.vocab_size:
         raise RunError(
             f"{directory.path} was trained with tokenizer {cfg.tokenizer!r} and a vocabulary of "
-            f"{cfg.vocab_size}, but that tokenizer has {tokenizer.n_vocab} tokens here")
+            f"{cfg.vocab_size}, but that tokenizer reads {tokenizer.n_rows} tokens here")
     tokenizer = with_recorded_template(tokenizer, saved)
     if not directory.checkpoints.is_dir():
         raise RunError(f"{directory.path} holds no checkpoints/ directory: train it first")

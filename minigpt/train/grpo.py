@@ -37,9 +37,11 @@ from minigpt.data import prepare_in_job
 from minigpt.data.loader import batch_iterator
 from minigpt.data.preferences import end_token
 from minigpt.data.prompts import load_columns, load_rows
+from minigpt.data.token_files import DataError
 from minigpt.decoding.offline import Settings, decode_all
 from minigpt.decoding.sampler import key_data
-from minigpt.files import replacing
+from minigpt.files import replacing, write_text_atomic
+from minigpt.train.metrics import read_metrics
 
 ROLLOUT_FILE = "rollout.npz"
 COMPLETIONS_FILE = "completions.jsonl"
@@ -74,21 +76,38 @@ class Reinforcement:
         if cfg.grpo_beta > 0:  # a frozen copy: the run's start, or --reference
             from minigpt.runs import load_run
 
-            self.reference = load_run(cfg.reference or cfg.init_from, run.layout.name).model
+            self.reference = load_run(cfg.reference or cfg.init_from,
+                                      str(run.layout.preset.path)).model
         if resume and run.step % cfg.num_iterations:
-            with np.load(run.dir.path / ROLLOUT_FILE) as kept:
-                self.rollout = _place(run.layout, {k: kept[k] for k in kept.files
-                                                   if not k.startswith("reported/")})
-                self.reported = {k.removeprefix("reported/"): float(kept[k])
-                                 for k in kept.files if k.startswith("reported/")}
-        if resume and self.completions.is_file() and run.is_writer:  # the steps that rerun
-            kept = [line for line in self.completions.read_text().splitlines()
-                    if json.loads(line)["step"] <= run.step]
-            self.completions.write_text("".join(f"{line}\n" for line in kept))
+            self._resume_rollout(run, run.step - run.step % cfg.num_iterations)
+        if self.completions.is_file() and run.is_writer:  # the steps that rerun are drawn again
+            write_text_atomic(self.completions, "".join(
+                f"{json.dumps(r)}\n" for r in read_metrics(self.completions)
+                if r.get("step", 0) <= run.step))
         say(f"GRPO: {cfg.batch_size // cfg.num_generations} prompts x {cfg.num_generations} "
             f"completions a step, at most {cfg.max_completion_length} tokens each, scored by "
             f"{', '.join(r.spec for r in self.rewards)}; completions of logged steps in "
             f"{self.completions}")
+
+    def _resume_rollout(self, run, drawn_at: int) -> None:
+        """The batch of completions drawn at step `drawn_at`, which the resumed steps train on
+        (`rollout.npz` holds the latest drawn; refused if it is not that one)."""
+        path = run.dir.path / ROLLOUT_FILE
+        try:
+            with np.load(path) as kept:
+                arrays = {k: kept[k] for k in kept.files}
+        except (OSError, ValueError) as error:
+            raise DataError(f"{path} cannot be read ({error}): step {run.step} trains on the "
+                            f"completions drawn at step {drawn_at}; resume from a checkpoint at "
+                            f"a multiple of train.num_iterations") from None
+        if int(arrays.pop("drawn_at", -1)) != drawn_at:
+            raise DataError(f"{path} holds completions drawn after step {drawn_at}, whose batch "
+                            f"step {run.step} trains on: resume from a checkpoint at a multiple "
+                            f"of train.num_iterations")
+        self.rollout = _place(run.layout, {k: v for k, v in arrays.items()
+                                           if not k.startswith("reported/")})
+        self.reported = {k.removeprefix("reported/"): float(v) for k, v in arrays.items()
+                         if k.startswith("reported/")}
 
     def put(self, layout):
         return lambda host: host  # prompts stay on the host: the step draws on them
@@ -99,11 +118,7 @@ class Reinforcement:
             try:
                 self.rollout = self._roll_out(run, batch)
             except rewards.RewardError:
-                # a reward that raised or hung: the steps trained so far are kept
-                run.checkpointer.save(run.step, run.model, run.optimizer,
-                                      layout=run.layers.canonical,
-                                      data_state=run.feed.before_last, rng=run.rng)
-                run.checkpointer.wait()
+                _save(run, run.feed.before_last)  # the steps trained so far are kept
                 raise
         reported = grpo.grpo_step(run.model, run.optimizer, self.rollout, rates,
                                   **_step_settings(cfg), microbatches=cfg.microbatches)
@@ -134,8 +149,9 @@ class Reinforcement:
                                                    temperature=cfg.temperature)
         if run.is_writer:
             if cfg.num_iterations > 1:
-                self._keep(run, batch)
-            if (step + 1) % cfg.log_every == 0 or step == 0:
+                self._keep(run, batch, step)
+            served = range(step + 1, step + 1 + cfg.num_iterations)
+            if step == 0 or any(s % cfg.log_every == 0 for s in served):
                 self._write_samples(step + 1, rows, texts, total, each, advantages)
         return batch
 
@@ -158,14 +174,15 @@ class Reinforcement:
                  for p, t in zip(prompts, texts)]
         columns = {k: [row.get(k) for row in rows] for k in rows[0] if k != "prompt"}
         state = types.SimpleNamespace(global_step=step, max_steps=cfg.steps)
-        total, each = rewards.score(
-            self.rewards, cfg.reward_weights, cfg.reward_timeout, prompts=prompts,
-            completions=shown, completion_ids=[list(c) for c in completions],
-            trainer_state=state, log_extra=_ignore, log_metric=_ignore, **columns)
+        total, each = rewards.score(self.rewards, cfg.reward_weights, cfg.reward_timeout, {
+            **columns, "prompts": prompts, "completions": shown,
+            "completion_ids": [list(c) for c in completions], "trainer_state": state,
+            "log_extra": _ignore, "log_metric": _ignore})
         return total, each, texts
 
-    def _keep(self, run, batch) -> None:
+    def _keep(self, run, batch, step: int) -> None:
         arrays = {k: np.asarray(jax.device_get(v)) for k, v in batch.items()}
+        arrays["drawn_at"] = np.asarray(step)
         arrays.update({f"reported/{k}": np.asarray(v) for k, v in self.reported.items()})
         with replacing(run.dir.path / ROLLOUT_FILE) as tmp, open(tmp, "wb") as f:
             np.savez(f, **arrays)
@@ -188,12 +205,24 @@ class Reinforcement:
         held = {k: v[:count] for k, v in held.items()}
         rows, _, completions = self._draw(run.model, held, 1, Settings(),
                                           cfg.max_completion_length)
-        total, each, _ = self._score(rows, completions, run.step, cfg)
+        try:
+            total, each, _ = self._score(rows, completions, run.step, cfg)
+        except rewards.RewardError:
+            _save(run, run.feed.get_state())  # the steps trained so far are kept
+            raise
         with np.errstate(all="ignore"):
             result = {"eval_reward": float(np.nanmean(total))}
             result.update({f"eval_rewards/{name}/mean": float(np.nanmean(v))
                            for name, v in each.items()})
         return result
+
+
+def _save(run, data_state) -> None:
+    """A checkpoint of the steps done (unless one of this step is already saved)."""
+    if run.checkpointer.latest_step() != run.step:
+        run.checkpointer.save(run.step, run.model, run.optimizer, layout=run.layers.canonical,
+                              data_state=data_state, rng=run.rng)
+    run.checkpointer.wait()
 
 
 def _place(layout, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -51,15 +51,16 @@ def check(model_cfg: ModelConfig, train_cfg: TrainConfig, layout, seq_len: int, 
     if not (train_cfg.init_from or resume):
         raise ConfigError(f"--objective {name} tunes a trained model: give --init-from RUN (a "
                           f"run trained here or imported with python -m minigpt.hub)")
-    if name == "grpo":
-        import jax
+    import jax
 
+    if jax.process_count() > 1:
+        raise ConfigError(f"--objective {name} runs in one process for now (its reference "
+                          f"and rollouts read whole batches): run it without --coordinator or "
+                          f"--distributed, on as many devices as one process has")
+    if name == "grpo":
         from minigpt.train.rewards import load
 
         load(train_cfg.rewards, train_cfg.reward_weights)  # a bad file is refused now
-        if jax.process_count() > 1:
-            raise ConfigError("--objective grpo draws its completions in one process: run it "
-                              "without --coordinator or --distributed")
         if train_cfg.max_completion_length >= seq_len:
             raise ConfigError(f"train.max_completion_length {train_cfg.max_completion_length} "
                               f"leaves no room for a prompt in train.seq_len {seq_len}")
@@ -137,7 +138,7 @@ class Preference(Imitation):
         if cfg.reference:
             from minigpt.runs import load_run
 
-            ref = load_run(cfg.reference, run.layout.name)
+            ref = load_run(cfg.reference, str(run.layout.preset.path))
             model, layout = ref.model, ref.layout
         else:
             model, layout = run.model, run.layout

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -56,28 +57,59 @@ class Reward:
             raise RewardError(f"--reward {spec}: {self.path} defines no function {func!r}")
         self.name = getattr(self.function, "__name__", func)
 
-    def __call__(self, count: int, timeout: float, **arguments: Any) -> list[float]:
-        """The function's rewards of `count` completions (NaN for None), called on a thread of
-        its own so that one that hangs is stopped after `timeout` seconds."""
-        box: dict[str, Any] = {}
-
-        def call():
-            try:
-                box["value"] = self.function(**arguments)
-            except BaseException as error:  # noqa: BLE001 - reported in one line below
-                box["error"] = error
-
-        thread = threading.Thread(target=call, daemon=True, name=f"reward {self.name}")
-        thread.start()
-        thread.join(timeout)
+    def __call__(self, count: int, timeout: float, arguments: dict[str, Any]) -> list[float]:
+        """The function's rewards of `count` completions (NaN for None), stopped after
+        `timeout` seconds: on the main thread by a timer signal (so rewards that time their
+        own work with SIGALRM, as math_verify does, run as under TRL), elsewhere on a thread
+        of its own."""
         where = f"reward {self.spec}"
-        if thread.is_alive():
-            raise RewardError(f"{where} ran past {timeout:g} s (train.reward_timeout) on a "
-                              f"batch of {count} completions")
-        if "error" in box:
-            error = box["error"]
-            raise RewardError(f"{where} raised {type(error).__name__}: {first_line(error)}")
-        return _checked(box["value"], count, where)
+        late = RewardError(f"{where} ran past {timeout:g} s (train.reward_timeout) on a batch "
+                           f"of {count} completions")
+        try:
+            value = (_on_main_thread if _can_signal() else _on_a_thread)(
+                lambda: self.function(**arguments), timeout, late)
+        except RewardError:
+            raise
+        except Exception as error:  # whatever the user's function raises
+            raise RewardError(f"{where} raised {type(error).__name__}: "
+                              f"{first_line(error)}") from None
+        return _checked(value, count, where)
+
+
+def _can_signal() -> bool:
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+def _on_main_thread(call, timeout: float, late: RewardError):
+    def expired(signum, frame):
+        raise late
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return call()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def _on_a_thread(call, timeout: float, late: RewardError):
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - raised again below
+            box["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True, name="reward")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise late
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _checked(value: Any, count: int, where: str) -> list[float]:
@@ -118,11 +150,12 @@ def load(specs: Sequence[str], weights: Sequence[float]) -> list[Reward]:
 
 
 def score(rewards: Sequence[Reward], weights: Sequence[float], timeout: float,
-          **arguments: Any) -> tuple[list[float], dict[str, list[float]]]:
+          arguments: dict[str, Any]) -> tuple[list[float], dict[str, list[float]]]:
     """Each completion's reward (the weighted sum of the functions' rewards, those that
-    returned None left out, as TRL sums them) and each function's own rewards."""
+    returned None left out, as TRL sums them; NaN where none scored it, which TRL 1.16 leaves
+    out of its group's figures too) and each function's own rewards."""
     count = len(arguments["completions"])
-    each = {r.name: r(count, timeout, **arguments) for r in rewards}
+    each = {r.name: r(count, timeout, arguments) for r in rewards}
     weights = list(weights) or [1.0] * len(rewards)
     total = [sum(w * v[i] for w, v in zip(weights, each.values()) if not math.isnan(v[i]))
              if any(not math.isnan(v[i]) for v in each.values()) else math.nan  # unscored

@@ -153,13 +153,14 @@ def _pairs_file(path, pairs):
 
 
 BAD_PAIRS = {
-    "missing-field": ({"prompt": "Tom", "chosen": " ran."}, "prefs.jsonl:3 has no rejected"),
+    "missing-field": ({"prompt": "Tom", "chosen": " ran."}, "prefs.jsonl, line 3 has no rejected"),
     "empty-reply": ({"prompt": "Tom", "chosen": "  ", "rejected": " ran."},
-                    "prefs.jsonl:3: the chosen reply is empty"),
+                    "prefs.jsonl, line 3: the chosen reply is empty"),
     "mixed-formats": ({"prompt": "Tom", "chosen": [{"role": "assistant", "content": "a"}],
-                       "rejected": "b"}, "prefs.jsonl:3: prompt, chosen and rejected must all"),
+                       "rejected": "b"},
+                      "prefs.jsonl, line 3: prompt, chosen and rejected must all"),
     "prompt-too-long": ({"prompt": "Once upon a time " * 60, "chosen": " a", "rejected": " b"},
-                        "prefs.jsonl:3: the prompt is"),
+                        "prefs.jsonl, line 3: the prompt is"),
 }
 
 

@@ -263,10 +263,10 @@ def test_the_loss_and_its_gradient_equal_trls(loss_type, beta, trl_pair):
 
 
 @pytest.mark.parametrize("row, message", [
-    ({"answer": "1"}, "prompts.jsonl:2 has no prompt"),
-    ({"prompt": "after " * 60}, "prompts.jsonl:2: the prompt is"),
-    ({"prompt": [{"role": "user"}]}, "prompts.jsonl:2: prompt must be messages"),
-    ({"prompt": "a dog", "completions": "x"}, "prompts.jsonl:2: the column 'completions' is"),
+    ({"answer": "1"}, "prompts.jsonl, line 2 has no prompt"),
+    ({"prompt": "after " * 60}, "prompts.jsonl, line 2: the prompt is"),
+    ({"prompt": [{"role": "user"}]}, "prompts.jsonl, line 2: prompt must be messages"),
+    ({"prompt": "a dog", "completions": "x"}, "prompts.jsonl, line 2: the column 'completions' is"),
 ], ids=["no-prompt", "too-long", "bad-messages", "reserved-column"])
 def test_bad_prompts_are_refused_with_their_line(row, message, setup, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"

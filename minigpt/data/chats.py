@@ -96,9 +96,10 @@ class Conversation:
     where: str
 
 
-def _records(path: Path) -> list[tuple[str, Any]]:
-    """(where, the JSON value) of each conversation a file holds: each line of a .jsonl file,
-    or a .json file's one object (or each item of its list)."""
+def records(path: Path) -> list[tuple[str, Any]]:
+    """(where, the JSON value) of each record a file holds (a conversation; DPO's pairs and
+    GRPO's prompts read them too): each line of a .jsonl file, or a .json file's one object
+    (or each item of its list)."""
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
@@ -124,7 +125,7 @@ def _parsed(text: str, where: str) -> Any:
 def read_conversations(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
     """Each conversation's messages, checked, as (where: "FILE, line N", messages)."""
     conversations = []
-    for where, record in _records(path):
+    for where, record in records(path):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise DataError(f'{where}: expected {{"messages": [{{"role": ..., "content": ...}}, '
@@ -274,10 +275,17 @@ def prepare_chats(files: Sequence[str | Path], root: str | Path, tokenizer, toke
 
 def load_rows(data_dir: str | Path, split: str) -> dict[str, Any]:
     """A prepared split's windows (`pack`'s arrays)."""
+    return load_split(data_dir, split, ARRAYS, "conversations")
+
+
+def load_split(data_dir: str | Path, split: str, names: Sequence[str], what: str
+               ) -> dict[str, np.ndarray]:
+    """The arrays `names` of a prepared split's `<split>.npz` (conversations, DPO's pairs,
+    GRPO's prompts: `what`); DataError saying to prepare them anew where it cannot be read."""
     path = Path(data_dir) / f"{split}.npz"
     try:
         with np.load(path) as arrays:
-            return {name: arrays[name] for name in ARRAYS}
+            return {name: arrays[name] for name in names}
     except (OSError, KeyError, ValueError) as error:
         raise DataError(f"{path} cannot be read ({error}): delete {data_dir} and train again "
-                        f"to prepare the conversations anew") from None
+                        f"to prepare the {what} anew") from None

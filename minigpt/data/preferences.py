@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from minigpt import chat_template
-from minigpt.data.chats import ROLES, VAL_EVERY, chat_files
+from minigpt.data.chats import ROLES, VAL_EVERY, chat_files, load_split, records
 from minigpt.data.token_files import DataError, load_meta, write_meta
 from minigpt.files import replacing, sha256
 
@@ -46,20 +46,9 @@ FIELDS = ("prompt", "chosen", "rejected")
 
 
 def read_pairs(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """The rows of a .jsonl file, each (where, row), checked to hold the three fields of one
-    format; DataError (file:line) for any that does not."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{where} is not JSON ({error.msg}): each line holds one "
-                                f"pair, {{\"prompt\", \"chosen\", \"rejected\"}}") from None
-            rows.append((where, _checked(row, where)))
+    """The pairs of a .jsonl file, each (where, row), checked to hold the three fields of one
+    format; DataError naming the line for any that does not."""
+    rows = [(where, _checked(row, where)) for where, row in records(path)]
     if not rows:
         raise DataError(f"{path} holds no preference pairs")
     return rows
@@ -180,10 +169,4 @@ def _arrays(pairs: list[tuple[list[list[int]], int]], window: int) -> dict[str, 
 
 def load_rows(data_dir: str | Path, split: str) -> dict[str, np.ndarray]:
     """A prepared split's pairs (`ARRAYS`)."""
-    path = Path(data_dir) / f"{split}.npz"
-    try:
-        with np.load(path) as arrays:
-            return {name: arrays[name] for name in ARRAYS}
-    except (OSError, KeyError, ValueError) as error:
-        raise DataError(f"{path} cannot be read ({error}): delete {data_dir} and train again "
-                        f"to prepare the pairs anew") from None
+    return load_split(data_dir, split, ARRAYS, "pairs")

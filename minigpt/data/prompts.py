@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from minigpt import chat_template
-from minigpt.data.chats import ROLES, VAL_EVERY, chat_files
+from minigpt.data.chats import ROLES, VAL_EVERY, chat_files, load_split, records
 from minigpt.data.token_files import DataError, load_meta, write_meta
 from minigpt.files import replacing, sha256, write_text_atomic
 
@@ -40,31 +40,21 @@ RESERVED = frozenset({"prompts", "completions", "completion_ids", "completion",
 
 def read_prompts(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """The rows of a .jsonl file, each (where, row), checked to hold a prompt."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{where} is not JSON ({error.msg}): each line holds one "
-                                f"prompt, {{\"prompt\": text or messages, ...}}") from None
-            prompt = row.get("prompt") if isinstance(row, dict) else None
-            if isinstance(prompt, list):
-                if not prompt or not all(isinstance(m, dict) and m.get("role") in ROLES and
-                                         isinstance(m.get("content"), str) for m in prompt):
-                    raise DataError(f"{where}: prompt must be messages {{\"role\": "
-                                    f"{'|'.join(ROLES)}, \"content\": text}}")
-            elif not (isinstance(prompt, str) and prompt.strip()):
-                raise DataError(f"{where} has no prompt: each line is {{\"prompt\": text or "
-                                f"messages, ...other columns}}")
-            taken = sorted(set(row) & RESERVED)
-            if taken:
-                raise DataError(f"{where}: the column {taken[0]!r} is a name reward functions "
-                                f"are given by the trainer; rename it")
-            rows.append((where, row))
+    rows = records(path)
+    for where, row in rows:
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        if isinstance(prompt, list):
+            if not prompt or not all(isinstance(m, dict) and m.get("role") in ROLES and
+                                     isinstance(m.get("content"), str) for m in prompt):
+                raise DataError(f"{where}: prompt must be messages {{\"role\": "
+                                f"{'|'.join(ROLES)}, \"content\": text}}")
+        elif not (isinstance(prompt, str) and prompt.strip()):
+            raise DataError(f"{where} has no prompt: each line is {{\"prompt\": text or "
+                            f"messages, ...other columns}}")
+        taken = sorted(set(row) & RESERVED)
+        if taken:
+            raise DataError(f"{where}: the column {taken[0]!r} is a name reward functions are "
+                            f"given by the trainer; rename it")
     if not rows:
         raise DataError(f"{path} holds no prompts")
     return rows
@@ -132,13 +122,7 @@ def prepare_prompts(files: Sequence[str | Path], root: str | Path, tokenizer,
 
 def load_rows(data_dir: str | Path, split: str) -> dict[str, np.ndarray]:
     """A prepared split's prompts (`ARRAYS`)."""
-    path = Path(data_dir) / f"{split}.npz"
-    try:
-        with np.load(path) as arrays:
-            return {name: arrays[name] for name in ARRAYS}
-    except (OSError, KeyError, ValueError) as error:
-        raise DataError(f"{path} cannot be read ({error}): delete {data_dir} and train again "
-                        f"to prepare the prompts anew") from None
+    return load_split(data_dir, split, ARRAYS, "prompts")
 
 
 def load_columns(data_dir: str | Path) -> list[dict[str, Any]]:

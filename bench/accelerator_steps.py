@@ -193,7 +193,7 @@ def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, imp
 
     from minigpt import sharding
     from minigpt.config import TrainConfig
-    from minigpt.models import build_model, get_config
+    from minigpt.models import build_model, get_config, replaced
     from minigpt.optim import lr_schedule, steps
     from minigpt.optim.optimizer import make_optimizer
 
@@ -205,8 +205,8 @@ def _train_step(model: str, batch: int, seq: int, changes: dict, dtype: str, imp
         model, changes = recipe.model, {**recipe.model_fields, **changes}
         optimizer_fields = {k: v for k, v in recipe.train_fields.items()
                             if k in RECIPE_OPTIMIZER_FIELDS}
-    cfg = dataclasses.replace(get_config(model), context_len=max(seq, 1), dtype=dtype,
-                              kernels=impl, **changes)
+    cfg = replaced(get_config(model), context_len=max(seq, 1), dtype=dtype, kernels=impl,
+                   **changes)
     # A short schedule, so that the parity steps' losses move (the rate is the peak by step 2)
     train_cfg = TrainConfig(batch_size=batch, preset="dp", steps=20, warmup_steps=2,
                             **optimizer_fields)
@@ -304,7 +304,7 @@ def generation(settings: dict) -> dict:
     from flax import nnx
 
     from minigpt.generate import generate_tokens
-    from minigpt.models import build_model, get_config
+    from minigpt.models import build_model, get_config, replaced
     from minigpt.runs import load_run
     from minigpt.runs.overrides import load_recipe
     from minigpt.tokenizer import load_tokenizer
@@ -316,7 +316,7 @@ def generation(settings: dict) -> dict:
         model, tokenizer, source = run.model, run.tokenizer, f"the stories run ({run_dir})"
     else:
         recipe = load_recipe("stories-gpu")
-        cfg = dataclasses.replace(get_config(recipe.model), **recipe.model_fields)
+        cfg = replaced(get_config(recipe.model), **recipe.model_fields)
         if settings["dry_run"]:
             cfg = dataclasses.replace(cfg, **TINY)
         model, source = build_model(cfg, rngs=nnx.Rngs(0)), "stories-gpu, untrained"

@@ -25,7 +25,6 @@ load-balancing loss through each run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -48,11 +47,11 @@ def worker(spec: dict) -> dict:
     from bench.report import timed
     from minigpt import sharding
     from minigpt.config import TrainConfig
-    from minigpt.models import build_model, count_params, get_config
+    from minigpt.models import build_model, count_params, get_config, replaced
     from minigpt.optim import lr_schedule, steps
     from minigpt.optim.optimizer import make_optimizer
 
-    cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
+    cfg = replaced(get_config(spec["model"]), **spec.get("overrides", {}))
     train_cfg = TrainConfig(batch_size=BATCH)
     T = cfg.context_len
 

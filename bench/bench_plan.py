@@ -114,8 +114,10 @@ def configs(model: str, batch: int, seq: int, overrides: dict[str, str], folder:
         from minigpt.models import get_config
 
         model_cfg = get_config(model)
+    from minigpt.models import replaced
+
     changes = parse_overrides([f"{k}={v}" for k, v in overrides.items()])
-    return (dataclasses.replace(model_cfg, **changes["model"]),
+    return (replaced(model_cfg, **changes["model"]),
             TrainConfig(model=model, batch_size=batch, seq_len=seq, **changes["train"]))
 
 

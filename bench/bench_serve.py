@@ -51,11 +51,11 @@ PROMPTS = [f"Once upon a time, in a town number {i}, there lived a" for i in ran
 
 
 def model_config(name: str):
-    from minigpt.models import get_config
+    from minigpt.models import get_config, replaced
 
     if name == "stories-cpu":
-        return dataclasses.replace(get_config("llama-cpu"), num_layers=3, tie_embeddings=True,
-                                   qk_norm=True, context_len=256)
+        return replaced(get_config("llama-cpu"), num_layers=3, tie_embeddings=True,
+                        qk_norm=True, context_len=256)
     if name == "smol-135m":
         return dataclasses.replace(get_config("llama-cpu"), vocab_size=49152, embed_dim=576,
                                    num_heads=9, num_kv_heads=3, mlp_dim=1536, num_layers=30,

@@ -20,7 +20,6 @@ number of pipeline microbatches at a fixed microbatch size.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -41,12 +40,12 @@ def worker(spec: dict) -> dict:
     from bench.report import timed
     from minigpt import pipeline, sharding
     from minigpt.config import TrainConfig
-    from minigpt.models import build_model, get_config
+    from minigpt.models import build_model, get_config, replaced
     from minigpt.models.flops import flops_per_token, measure_matmul_peak
     from minigpt.optim import lr_schedule, steps
     from minigpt.optim.optimizer import make_optimizer
 
-    cfg = dataclasses.replace(get_config(spec["model"]), **spec.get("overrides", {}))
+    cfg = replaced(get_config(spec["model"]), **spec.get("overrides", {}))
     train_cfg = TrainConfig(batch_size=spec["batch"])
     B, T = spec["batch"], cfg.context_len
     peak = measure_matmul_peak(repeats=10)

@@ -330,10 +330,10 @@ def small_stories(stories_file, tmp_path_factory) -> Path:
 def zoo_config(name: str):
     """A zoo model's config; "NAME+qk_norm" is that Llama with query and key norms (Qwen3's),
     which the stories-cpu recipe trains."""
-    from minigpt.models import get_config
+    from minigpt.models import get_config, replaced
     base, _, option = name.partition("+")
     cfg = get_config(base)
-    return dataclasses.replace(cfg, qk_norm=True) if option == "qk_norm" else cfg
+    return replaced(cfg, qk_norm=True) if option == "qk_norm" else cfg
 
 
 def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ from conftest import losses, small_vocab
 
 from minigpt import train
 from minigpt.config import ConfigError, TrainConfig
+from minigpt.models import replaced
 from minigpt.optim import steps
 from minigpt.runs import RunDir
 from minigpt.train import cli
@@ -44,7 +45,7 @@ def test_the_command_that_started_a_run_resumes_it(tmp_path):
     run = saved_run(tmp_path / "pp", *PP_COMMAND, "--steps", "20")
     model, cfg = configs(*PP_COMMAND, "--steps", "20", "--out", str(run), "--resume")
     saved = json.loads((run / "config.json").read_text())
-    assert json.loads(json.dumps(dataclasses.asdict(model))) == saved["model"]  # lists: tuples
+    assert json.loads(json.dumps(model.as_dict())) == saved["model"]  # lists: tuples
     assert (model.num_layers, model.dropout, cfg.steps, cfg.preset) == (8, 0.0, 20, "pp")
     # Nothing but the run directory works as well, and so do changes of how to go on.
     assert configs("--out", str(run), "--resume")[0] == model
@@ -80,9 +81,9 @@ def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
     model, cfg = configs("--recipe", "stories-cpu", "--out", str(run))
     assert (cfg.optimizer, model.num_layers, model.tie_embeddings) == ("muon", 3, True)
     assert (cfg.lr, cfg.warmup_steps, model.context_len, cfg.batch_size) == (1e-2, 30, 128, 16)
-    assert model.qk_norm
-    old_model = dataclasses.replace(model, num_layers=4, tie_embeddings=False, context_len=256,
-                                    qk_norm=False)
+    assert model.options.qk_norm
+    old_model = replaced(model, num_layers=4, tie_embeddings=False, context_len=256,
+                         qk_norm=False)
     run.mkdir()
     RunDir(run).write(old_model,
                     dataclasses.replace(cfg, steps=1363, lr=6e-3, warmup_steps=-1,
@@ -91,7 +92,7 @@ def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
     saved = json.loads((run / "config.json").read_text())
     for name in ("optimizer", "muon_lr", "muon_momentum"):
         del saved["train"][name]
-    del saved["model"]["tie_embeddings"], saved["model"]["qk_norm"]
+    del saved["model"]["tie_embeddings"], saved["model"]["llama"]
     (run / "config.json").write_text(json.dumps(saved))
     resumed_model, resumed = configs("--recipe", "stories-cpu", "--out", str(run), "--resume")
     assert resumed.optimizer == "adamw" and resumed.steps == 1363
@@ -100,6 +101,28 @@ def test_a_recipe_run_from_before_muon_resumes_with_adamw(tmp_path):
     with pytest.raises(ConfigError, match="optimizer: 'adamw' -> 'muon'"):
         configs("--recipe", "stories-cpu", "--set", "train.optimizer=muon", "--out", str(run),
                 "--resume")
+
+
+def test_a_run_from_before_families_kept_their_own_settings_resumes_with_them(tmp_path):
+    """config.json now keeps a family's own settings in its section (`"llama": {"qk_norm":
+    true, ...}`); a run written when they sat among the shared fields resumes with them, and
+    `--set` names them either way (`model.qk_norm`, `model.llama.qk_norm`)."""
+    run = saved_run(tmp_path / "stories", "--recipe", "stories-cpu")
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["model"]["llama"] == {"qk_norm": True, "qkv_bias": False, "out_bias": False}
+    saved["model"].update(saved["model"].pop("llama"))  # the layout before
+    (run / "config.json").write_text(json.dumps(saved))
+    model, _ = configs("--recipe", "stories-cpu", "--out", str(run), "--resume")
+    assert model == configs("--recipe", "stories-cpu", "--out", str(tmp_path / "new"))[0]
+    assert model.options.qk_norm
+    for key in ("model.qk_norm", "model.llama.qk_norm"):
+        with pytest.raises(ConfigError, match=r"llama.qk_norm: True -> False"):
+            configs("--recipe", "stories-cpu", "--out", str(run), "--resume", "--set",
+                    f"{key}=false")
+    with pytest.raises(ConfigError, match="model.gemma3.local_rope_theta is a gemma3 setting; "
+                                          "the llama architecture's own are model.llama.qk_norm"):
+        configs("--recipe", "stories-cpu", "--out", str(run), "--resume", "--set",
+                "model.gemma3.local_rope_theta=5")
 
 
 def test_a_recipe_run_keeps_its_schedule_when_the_recipe_changes_it(tmp_path):
@@ -140,7 +163,7 @@ def test_a_recipe_run_keeps_its_shape_when_the_recipe_changes_it(tmp_path):
     recipe.write_text(text.replace('"llama-cpu"\n', '"llama-cpu"\nnum_layers = 3\n'))
     assert configs("--recipe", str(recipe), "--out", str(tmp_path / "new"))[0].num_layers == 3
     model, cfg = configs("--recipe", str(recipe), "--out", str(run), "--resume")
-    assert (json.loads(json.dumps(dataclasses.asdict(model)))
+    assert (json.loads(json.dumps(model.as_dict()))
             == json.loads((run / "config.json").read_text())["model"])
     assert (model.num_layers, cfg.steps, cfg.model) == (4, 100, "llama-cpu")
     with pytest.raises(ConfigError, match="num_layers: 4 -> 3"):

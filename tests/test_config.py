@@ -1,7 +1,6 @@
 """Configuration: invariants refused at construction, --set overrides parsed by declared type,
 config.json written atomically and read back, damaged or foreign files refused clearly."""
 
-import dataclasses
 
 import pytest
 
@@ -11,7 +10,7 @@ from minigpt.config import (
     TrainConfig,
     parse_step_range,
 )
-from minigpt.models import get_config
+from minigpt.models import from_dict, get_config, replaced
 from minigpt.runs import resolved
 from minigpt.runs.overrides import available_recipes, load_recipe, parse_duration
 from minigpt.tokenizer import load_tokenizer
@@ -28,7 +27,7 @@ from minigpt.train import cli
 ])
 def test_model_config_refuses_what_cannot_build(changes, message):
     with pytest.raises(ConfigError) as e:
-        ModelConfig(**changes)
+        from_dict(changes)
     assert message in str(e.value)
 
 
@@ -106,7 +105,7 @@ def test_every_shipped_recipe_names_a_zoo_model_and_valid_settings():
     assert "stories-cpu" in available_recipes()
     for name in available_recipes():
         recipe = load_recipe(name)
-        model = dataclasses.replace(get_config(recipe.model), **recipe.model_fields)
+        model = replaced(get_config(recipe.model), **recipe.model_fields)
         assert load_tokenizer(model.tokenizer).n_vocab == model.vocab_size
         train = TrainConfig(**recipe.train_fields)
         assert recipe.description and train.time_budget > 0

@@ -49,17 +49,18 @@ pytestmark = pytest.mark.usefixtures("float32_compute")
 # test_hub.py::test_gpt2_import_matches_the_architecture_under_every_preset checks preset by
 # preset, so the families need not meet it one by one.
 QUICK = {"llama3": "fsdp", "qwen2": "fsdp", "llama2": "fsdp", "gemma3": "fsdp"}
-ALSO_UNDER_DP = "llama3-tied"
+ALSO_UNDER_DP = ("llama3-tied",)
 CASES = [pytest.param(family, preset, id=f"{family}-{preset}",
                       marks=() if QUICK.get(family) == preset else pytest.mark.slow)
          for family in hf.FAMILIES
-         for preset in (("dp", "fsdp") if family == ALSO_UNDER_DP else ("fsdp",))]
+         for preset in (("dp", "fsdp") if family in ALSO_UNDER_DP else ("fsdp",))]
 # Llama 3's chat in the quick suite (a template in tokenizer_config.json, bos in the template,
 # several end tokens); Qwen's and SmolLM2's ChatML with -m slow.
 INSTRUCT = [pytest.param(name, marks=() if name == "llama3-instruct" else pytest.mark.slow)
             for name, family in hf.FAMILIES.items() if family.template]
 EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
+               "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
+               }
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,7 @@ def test_llama_import_matches_the_architecture(tmp_path, tied, head_dim, dtype, 
     assert hub.main(["import", str(hf), "--out", str(run), "--preset", "fsdp"]) == 0
     cfg = RunDir(run).read().model
     assert (cfg.tie_embeddings, cfg.num_kv_heads, cfg.head_dim) == (tied, 2, head_dim or 8)
-    assert cfg.qk_norm == qk_norm
+    assert cfg.options.qk_norm == qk_norm
     assert (run / "tokenizer" / "tokenizer.json").read_bytes() == (
         hf / "tokenizer.json").read_bytes()  # the checkpoint's own, byte for byte
     assert json.loads((run / "config.json").read_text())["model"]["tokenizer"] == "tokenizer"

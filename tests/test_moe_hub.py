@@ -79,7 +79,8 @@ def test_expert_checkpoints_import_exactly_and_export_back(tmp_path, kind, prese
     run = load_run(tmp_path / "run", preset)
     cfg = run.config
     assert (cfg.num_experts, cfg.experts_per_token, cfg.expert_dim) == (8, 2, 48)
-    assert cfg.norm_topk_prob == (kind != "qwen3-moe") and cfg.qk_norm == (kind != "mixtral")
+    assert cfg.norm_topk_prob == (kind != "qwen3-moe")
+    assert cfg.options.qk_norm == (kind != "mixtral")
     with run.layout.active():
         ours = np.asarray(nnx.jit(lambda m, t: m(t))(run.model, jnp.asarray(IDS)))[..., :4096]
         prompt = [int(t) for t in IDS[0, :5]]

@@ -1,6 +1,5 @@
 """Recipes, the tokenizer a model is trained with, and defaults for short runs."""
 
-import dataclasses
 import json
 
 import numpy as np
@@ -10,7 +9,7 @@ from conftest import losses, refused, small_vocab
 import minigpt
 from minigpt import generate, train
 from minigpt.config import TrainConfig
-from minigpt.models import get_config
+from minigpt.models import get_config, replaced
 from minigpt.runs.overrides import load_recipe
 from minigpt.tokenizer import load_tokenizer
 from minigpt.train import cli
@@ -24,7 +23,7 @@ def test_flags_override_the_recipe_and_set_overrides_flags():
     recipe = load_recipe("stories-cpu")
     model, cfg = configs("--recipe", "stories-cpu")
     assert cfg.model == recipe.model and cfg.recipe == "stories-cpu"
-    assert model == dataclasses.replace(get_config(recipe.model), **recipe.model_fields)
+    assert model == replaced(get_config(recipe.model), **recipe.model_fields)
     for name, value in recipe.train_fields.items():
         assert getattr(cfg, name) == value
     assert model.tokenizer == "tinystories-4k" and model.vocab_size == 4096

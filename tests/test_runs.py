@@ -55,6 +55,34 @@ def test_a_run_from_before_models_named_their_tokenizer_keeps_the_data_tokenizer
     assert RunDir(tmp_path).read().model.tokenizer == "gpt2"
 
 
+def test_a_run_from_before_families_kept_their_own_settings_loads_and_generates(tmp_path,
+                                                                               capsys):
+    """Until families kept their own settings in a section of config.json (`"gemma3":
+    {...}`), Gemma 3's sat among the shared fields: such a run loads with them and generates
+    what the same weights in today's layout generate."""
+    from conftest import untrained_run
+
+    from minigpt import generate
+    from minigpt.models import get_config
+
+    cfg = get_config("gemma3-tiny")  # a query scale and local base other than the defaults
+    new = untrained_run(tmp_path / "new", cfg)
+    old = tmp_path / "old"
+    shutil.copytree(new, old)
+    saved = json.loads((old / "config.json").read_text())
+    assert saved["model"]["gemma3"] == {"query_pre_attn_scalar": 16.0, "local_rope_theta": 1e4}
+    saved["model"].update(saved["model"].pop("gemma3"))
+    (old / "config.json").write_text(json.dumps(saved))
+    assert RunDir(old).read().model == cfg
+    stories = []
+    for run in (new, old):
+        capsys.readouterr()
+        assert generate.main(["--run", str(run), "--max-new-tokens", "8", "--seed", "1",
+                              "--prompt", "Once upon a time"]) == 0
+        stories.append(capsys.readouterr().out)
+    assert stories[0] == stories[1] and stories[0].startswith("Once upon a time")
+
+
 def test_a_run_directory_names_its_files(tmp_path):
     run = RunDir(tmp_path / "run")
     assert run.path == tmp_path / "run"

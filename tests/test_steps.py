@@ -73,8 +73,9 @@ def zoo_cases():
     # Gemma 3 (local and global layers, norms around each sublayer) as the issue that added it
     # asks: under dp, fsdp and fsdp_tp, the last in the default run.
     pairs += [("gemma3-tiny", "dp"), ("gemma3-tiny", "fsdp"), ("gemma3-tiny", "fsdp_tp")]
+    quick = [("minigpt-tiny", "fsdp_tp"), ("gemma3-tiny", "fsdp_tp")]
     for model_name, name in pairs:
-        slow = (model_name, name) not in (("minigpt-tiny", "fsdp_tp"), ("gemma3-tiny", "fsdp_tp"))
+        slow = (model_name, name) not in quick
         yield pytest.param(model_name, name, marks=[pytest.mark.slow] if slow else [])
 
 

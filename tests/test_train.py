@@ -61,7 +61,7 @@ def test_a_run_writes_its_directory_and_honest_metrics(finished):
                                                      "metrics.jsonl", "tensorboard"]
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [3, 6]
     saved = json.loads((out / "config.json").read_text())
-    as_json = json.loads(json.dumps(dataclasses.asdict(MODEL)))  # tuples are lists there
+    as_json = json.loads(json.dumps(MODEL.as_dict()))  # tuples are lists there
     assert saved["model"] == as_json and saved["preset"] == "fsdp"
     assert saved["tokenizer"] == "tinystories-4k"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -5,7 +5,6 @@ the ring and all-gather over a split sequence, a pipeline stage, and the cached 
 recomputing the whole window, all with documents packed in the rows. That the windows equal
 transformers' is test_families.py's (Gemma 3 and Mistral checkpoints)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from flax import nnx
 from minigpt import parallel, sharding
 from minigpt.config import ConfigError
 from minigpt.generate import generate_recompute, generate_tokens
-from minigpt.models import build_model, get_config, kernels
+from minigpt.models import build_model, get_config, kernels, replaced
 from minigpt.models.decoder import layer_windows
 from minigpt.models.masks import AttentionInputs
 
@@ -101,7 +100,7 @@ def test_attention_over_a_split_sequence_keeps_the_window(strategy):
 
 
 def gemma(**changes):
-    return dataclasses.replace(get_config("gemma3-tiny"), vocab_size=256, **changes)
+    return replaced(get_config("gemma3-tiny"), vocab_size=256, **changes)
 
 
 def test_the_layers_windows_follow_the_pattern_and_are_refused_where_they_mean_nothing():

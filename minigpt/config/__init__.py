@@ -9,7 +9,6 @@ from minigpt.config.model import (
     CONTEXT_STRATEGIES,
     DTYPES,
     EXECUTION_FIELDS,
-    FAMILIES,
     KERNELS,
     LORA_TARGETS,
     MOE_FIELDS,
@@ -17,12 +16,13 @@ from minigpt.config.model import (
     PIPELINE_SCHEDULES,
     REMAT_POLICIES,
     ROPE_SCALINGS,
+    FamilyOptions,
     ModelConfig,
 )
 from minigpt.config.train import TrainConfig, parse_step_range
 from minigpt.config.values import ConfigError, check_value
 
-__all__ = ["CONTEXT_STRATEGIES", "DTYPES", "EXECUTION_FIELDS", "FAMILIES", "KERNELS",
-           "LORA_TARGETS", "MOE_FIELDS", "OPTIMIZERS", "PIPELINE_SCHEDULES", "REMAT_POLICIES",
-           "ROPE_SCALINGS", "ConfigError", "ModelConfig", "TrainConfig", "check_value",
+__all__ = ["CONTEXT_STRATEGIES", "DTYPES", "EXECUTION_FIELDS", "KERNELS", "LORA_TARGETS",
+           "MOE_FIELDS", "OPTIMIZERS", "PIPELINE_SCHEDULES", "REMAT_POLICIES", "ROPE_SCALINGS",
+           "ConfigError", "FamilyOptions", "ModelConfig", "TrainConfig", "check_value",
            "parse_step_range"]

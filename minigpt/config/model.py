@@ -1,15 +1,24 @@
-"""The model's configuration: `ModelConfig`, frozen, every value checked when built (each family
-adds the fields only it reads and its own checks through `FAMILIES`), and the choices its fields
-take. What `config.json` in a run directory stores under "model".
+"""The model's configuration: `ModelConfig`, frozen, every value checked when built, and the
+choices its fields take. What `config.json` in a run directory stores under "model".
+
+The fields here are those every family reads, or several do (a shared capability: rotary scaling,
+sliding windows, a mixture of experts); each family refuses the shared ones it does not read
+(`Family.shared`). A setting only one family reads lives in that family's folder, in its
+`FamilyOptions` subclass (`minigpt.models.gemma3.Gemma3Options`), held by `ModelConfig.options`
+and kept in config.json under the family's name: `"model": {"arch": "gemma3", ..., "gemma3":
+{"query_pre_attn_scalar": 256.0, ...}}`. Runs written before families kept their own settings
+have them among the others, and load as they are (`minigpt.models.from_dict`); `--set
+model.query_pre_attn_scalar=...` still means the family's field, as `--set
+model.gemma3.query_pre_attn_scalar=...` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from minigpt.config.values import ConfigError, check_fields
+from minigpt.config.values import ConfigError, check_fields, field_types
 
 DTYPES = ("auto", "float32", "bfloat16")  # auto: see minigpt.models.execution
 KERNELS = ("auto", "reference", "cpu", "cudnn", "splash")  # see minigpt.models.kernels
@@ -20,6 +29,23 @@ CONTEXT_STRATEGIES = ("ring", "all_gather")  # see minigpt.parallel.ring
 OPTIMIZERS = ("adamw", "muon")  # see minigpt.optim.optimizer
 # The projections LoRA adapts by default: attention's and the feed-forward's (minigpt.models.lora).
 LORA_TARGETS = ("query", "key", "value", "out", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class FamilyOptions:
+    """The settings only one family reads: a family with any defines a frozen subclass of this
+    in its folder (its fields with their defaults, `family` its name) and names it in its
+    `Family` record. Each field's type is checked when built; `check` adds the family's own
+    rules on its values."""
+
+    family: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_fields(self, f"model.{self.family}")
+        self.check()
+
+    def check(self) -> None:
+        """The family's rules on its own values (ConfigError naming the field)."""
 
 
 @dataclass(frozen=True)
@@ -69,21 +95,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     # Sliding-window attention (minigpt.models.masks): a query sees the last `sliding_window`
     # keys of its document, its own included (0: all of them), on every layer, or with
-    # `sliding_window_pattern` N on all but every N-th layer (Gemma 3: five local, one global).
+    # `sliding_window_pattern` N on all but every N-th layer (Gemma 3: five local, one global;
+    # OLMo 3: three local, one global).
     sliding_window: int = 0
     sliding_window_pattern: int = 0
-    # Gemma 3 (minigpt.models.gemma3): queries scaled by 1/sqrt(query_pre_attn_scalar) (0: the
-    # head size), and the local layers' rotary base (0: rope_theta, the global layers').
-    query_pre_attn_scalar: float = 0.0
-    local_rope_theta: float = 0.0
-    # Llama only: RMSNorm over each query and key head (a learned scale per head feature,
-    # shared by the heads) before the rotary embedding, as Qwen3 does; Hugging Face calls
-    # such a model Qwen3ForCausalLM. Runs from before this field existed have none.
-    qk_norm: bool = False
-    # Llama only: biases on the query, key and value projections (Qwen2), and on the output
-    # projection too (Llama's `attention_bias`). Runs from before these fields have none.
-    qkv_bias: bool = False
-    out_bias: bool = False
     # Rotary frequencies scaled for long contexts as Llama 3.1+ ("llama3": low frequencies
     # divided by rope_factor, high ones kept, a smooth blend between, by rope_low_freq and
     # rope_high_freq against rope_original_context) or by one factor ("linear"); "": none.
@@ -113,6 +128,9 @@ class ModelConfig:
     # Mixtral (E * sum_e f_e P_e) and ST-MoE's z-loss (the squared log-sum-exp of its logits).
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
+    # The settings only this model's family reads (its `FamilyOptions`; None: that family's
+    # defaults, filled in when built). config.json keeps them under the family's name.
+    options: FamilyOptions | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, "model")
@@ -163,28 +181,28 @@ class ModelConfig:
                               "(the context the model was trained with before scaling)")
         if self.kernels not in KERNELS:
             raise ConfigError(f"model.kernels must be one of {KERNELS}, got {self.kernels!r}")
-        self._check_family()
+        if self.options is not None and self.options.family != self.arch:
+            raise ConfigError(f"model.options holds {type(self.options).__name__}, the "
+                              f"{self.options.family} family's settings, for a {self.arch} "
+                              f"model")
 
-    def _check_family(self) -> None:
-        """The fields only some families read, refused for the others (`FAMILIES`, which
-        minigpt.models fills), then the family's own checks."""
-        family = FAMILIES.get(self.arch)
-        if family is None:
-            return  # an architecture no family registered: build_model names the known ones
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        owned = {name for other in FAMILIES.values() for name in other.options}
-        changed = [name for name in sorted(owned - family.options)
-                   if getattr(self, name) != defaults[name]]
-        if changed:
-            owners = sorted({other.name for other in FAMILIES.values()
-                             if set(changed) & other.options})
-            names = ", ".join(f"model.{name}" for name in changed)
-            what = (f"{names}: a mixture of experts is" if set(changed) <= set(MOE_FIELDS) else
-                    f"{names} {'is' if len(changed) == 1 else 'are'}")
-            raise ConfigError(f"{what} a {' or '.join(owners)} option; the {self.arch} "
-                              f"architecture has none")
-        if family.check is not None:
-            family.check(self)
+    def as_dict(self) -> dict[str, Any]:
+        """What config.json stores: the shared fields, and the family's under its name."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name != "options"}
+        fields = json_ready(fields)
+        if self.options is not None:
+            fields[self.arch] = json_ready(dataclasses.asdict(self.options))
+        return fields
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by name, the family's as `family.field`: what a resume compares."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name != "options"}
+        if self.options is not None:
+            fields.update({f"{self.arch}.{name}": value for name, value in
+                           dataclasses.asdict(self.options).items()})
+        return fields
 
     @property
     def remat_policy(self) -> str:
@@ -210,11 +228,16 @@ class ModelConfig:
         return (self.vocab_size + m - 1) // m * m
 
 
-# Each architecture family's rules, by `arch`, registered by `minigpt.models` when it is
-# imported (each family's own folder says them, `minigpt.models.family.Family`): `options`, the
-# config fields only some families read, refused for the others so that no setting is
-# silently ignored, and `check(cfg)`, the family's own checks.
-FAMILIES: dict[str, Any] = {}
+def option_types(kind: type[FamilyOptions]) -> dict[str, Any]:
+    """A family's settings and their declared types (its `family` name is not one)."""
+    hints = field_types(kind)
+    return {f.name: hints[f.name] for f in dataclasses.fields(kind)}
+
+
+def json_ready(fields: dict[str, Any]) -> dict[str, Any]:
+    """Fields as JSON holds them: tuples as lists."""
+    return {name: list(value) if isinstance(value, tuple) else value
+            for name, value in fields.items()}
 
 # Fields that say how a model runs, not what it is: a run may resume with other values.
 EXECUTION_FIELDS = ("dtype", "remat", "scan_layers", "kernels", "fp8")

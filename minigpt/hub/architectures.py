@@ -45,9 +45,8 @@ def to_ours(tensor: Tensor, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarra
     """A Hugging Face array as our parameter (per layer, vocabulary rows not yet padded): a
     view of `hf` where possible, so slicing it reads only the slice."""
     x = hf.T if tensor.transpose else hf
-    which, pieces = tensor.part
-    width = x.shape[-1] // pieces
-    x = x[..., which * width:(which + 1) * width]
+    start, stop = tensor.span(x.shape[-1])
+    x = x[..., start:stop]
     rows = (tensor.hf_shape[0],) if tensor.padded else shape[:1]
     return x.reshape(rows + tuple(shape[1:]))
 
@@ -58,6 +57,7 @@ def to_hf(tensor: Tensor, ours: np.ndarray) -> np.ndarray:
     if tensor.padded:
         ours = ours[:tensor.hf_shape[0]]
     shape = tensor.hf_shape[::-1] if tensor.transpose else tensor.hf_shape
-    shape = (*shape[:-1], shape[-1] // tensor.part[1])
+    start, stop = tensor.span(shape[-1])
+    shape = (*shape[:-1], stop - start)
     x = ours.reshape(shape)
     return x.T if tensor.transpose else x

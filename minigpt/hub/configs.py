@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from minigpt.config import ModelConfig
+from minigpt.config import ConfigError, ModelConfig
 from minigpt.hub.architectures import mapping
-from minigpt.models import FAMILIES
+from minigpt.models import FAMILIES, checked
 from minigpt.models.family import HFConfig, HubError
 
 HEAD = "lm_head.weight"
@@ -27,11 +27,15 @@ def model_config(hf: dict[str, Any], file: str = "config.json") -> ModelConfig:
     kind = hf.get("model_type")
     for family in FAMILIES.values():
         if family.hub is not None and kind in family.hub.model_types:
-            return family.hub.read(HFConfig(hf, str(file)))
-    known = ", ".join(repr(t) for f in FAMILIES.values() if f.hub for t in f.hub.model_types)
-    raise HubError(f"{file} has model_type {kind!r}: minigpt imports {known} (GPT-2; Llama 2 "
-                   f"and 3, TinyLlama, SmolLM2, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE; "
-                   f"Gemma 3)")
+            cfg = family.hub.read(HFConfig(hf, str(file)))
+            try:
+                return checked(cfg)
+            except ConfigError as error:
+                raise HubError(f"{file} describes a model minigpt cannot build: "
+                               f"{error}") from None
+    known = "; ".join(f"{name}: {', '.join(repr(t) for t in f.hub.model_types)}"
+                      for name, f in FAMILIES.items() if f.hub)
+    raise HubError(f"{file} has model_type {kind!r}: minigpt imports these, by family: {known}")
 
 
 def hf_config(cfg: ModelConfig, eos: int | list[int] | None, bos: int | None) -> dict[str, Any]:

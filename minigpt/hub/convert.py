@@ -218,8 +218,9 @@ def import_tokenizer(directory: Path, hf: dict[str, Any], cfg: ModelConfig,
         tokenizer_files.import_tokenizer_files(directory, hf, run, cfg.vocab_size,
                                                lambda path, name: _inside(directory, name))
         return tokenizer_files.FOLDER
-    if cfg.arch == "gpt2" and cfg.vocab_size == 50257:  # GPT-2's own files carry no tokenizer.json
-        return "gpt2"
+    meant = mapping(cfg).tokenizer(cfg)  # GPT-2's own files carry no tokenizer.json
+    if meant:
+        return meant
     if (directory / "tokenizer.model").is_file():
         raise HubError(f"{directory} has only tokenizer.model, SentencePiece's own format: "
                        f"minigpt reads tokenizer.json, the tokenizers library's (transformers "
@@ -315,11 +316,14 @@ def hf_tensors(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
         array = state[tensor.path]
         for ids in instances(tensor, cfg):
             piece = to_hf(tensor, array[ids])
-            parts.setdefault(hf_name(tensor, ids), []).append((tensor.part[0], piece))
+            parts.setdefault(hf_name(tensor, ids), []).append(
+                (tensor.part[0], piece, 0 if tensor.transpose else -1))
     out = {}
     for name, pieces in parts.items():
-        pieces = [p for _, p in sorted(pieces, key=lambda item: item[0])]
-        joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=-1)
+        # the pieces' axis: the file's last, which a transposed tensor holds first
+        axis = pieces[0][2]
+        pieces = [p for _, p, _ in sorted(pieces, key=lambda item: item[0])]
+        joined = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis)
         out[hub.spelled(name, hub.spellings[0])] = np.ascontiguousarray(joined, np.float32)
     return out
 
@@ -336,8 +340,9 @@ def export_run(run: str | Path, out: str | Path, *, max_file_bytes: int = 2 * 2*
     except LOAD_ERRORS as error:
         raise HubError(str(error)) from None
     ids = tokenizer_files.special_ids(enc)
-    if cfg.arch == "gpt2" and ids["bos_token_id"] is None:
-        ids["bos_token_id"] = ids["eos_token_id"]  # GPT-2 begins with <|endoftext|> too
+    begins_with_end = mapping(cfg).begins_with_end  # GPT-2 begins with <|endoftext|> too
+    if begins_with_end and ids["bos_token_id"] is None:
+        ids["bos_token_id"] = ids["eos_token_id"]
     config = hf_config(cfg, eos=ids["eos_token_id"], bos=ids["bos_token_id"])
     try:
         loaded = load_run(run, "dp", merge_adapters=True)  # a LoRA run's adapters folded in
@@ -356,6 +361,6 @@ def export_run(run: str | Path, out: str | Path, *, max_file_bytes: int = 2 * 2*
                               if i == ids["eos_token_id"]), None)
             tokenizer_export.write_hf_tokenizer(
                 enc, staging, model_max_length=cfg.context_len, eos_token=eos_token,
-                bos_token=eos_token if cfg.arch == "gpt2" else None)
+                bos_token=eos_token if begins_with_end else None)
     return {"out": out, "step": loaded.step, "files": [out / f.name for f in files],
             "bytes": sum(t.nbytes for t in tensors.values())}

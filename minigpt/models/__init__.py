@@ -15,25 +15,18 @@ from collections.abc import Callable
 
 from flax import nnx
 
-import minigpt.config as config
 from minigpt.config import ConfigError, ModelConfig
 from minigpt.files import unknown_name
 from minigpt.models import execution
 from minigpt.models.decoder import DecoderLM, count_params
 from minigpt.models.family import Family, HubError
-from minigpt.models.gemma3 import FAMILY as GEMMA3
-from minigpt.models.gpt2 import FAMILY as GPT2
-from minigpt.models.llama import FAMILY as LLAMA
-from minigpt.models.minigpt import FAMILY as MINIGPT
-
-# The registry: a family's folder and this line are all that adding one takes.
-FAMILIES: dict[str, Family] = {f.name: f for f in (MINIGPT, GPT2, LLAMA, GEMMA3)}
-config.FAMILIES.update(FAMILIES)  # their config fields and checks join every ModelConfig's
+from minigpt.models.registry import FAMILIES, checked, from_dict, replaced, settable_fields
 
 ARCHITECTURES: dict[str, Callable[..., DecoderLM]] = {
     name: family.module for name, family in FAMILIES.items()}
 CONFIGS: dict[str, ModelConfig] = {
-    name: cfg for family in FAMILIES.values() for name, cfg in family.zoo.items()}
+    name: checked(ModelConfig(arch=family.name, **fields))
+    for family in FAMILIES.values() for name, fields in family.zoo.items()}
 
 
 def get_config(name: str) -> ModelConfig:
@@ -52,8 +45,10 @@ def family_of(cfg: ModelConfig) -> Family:
 def build_model(config: ModelConfig, *, rngs: nnx.Rngs) -> DecoderLM:
     """The model a config describes, its execution settings made concrete for the backend
     here (`execution.for_backend`: no layer reads an "auto")."""
-    return family_of(config).module(execution.for_backend(config), rngs=rngs)
+    family = family_of(config)
+    return family.module(execution.for_backend(checked(config)), rngs=rngs)
 
 
 __all__ = ["ARCHITECTURES", "CONFIGS", "FAMILIES", "DecoderLM", "Family", "HubError",
-           "build_model", "count_params", "family_of", "get_config"]
+           "build_model", "checked", "count_params", "family_of", "from_dict", "get_config",
+           "replaced", "settable_fields"]

@@ -1,9 +1,10 @@
 """What a model family is: one folder, `minigpt.models.<family>`, and one line in the registry.
 
 A `Family` holds everything minigpt knows of an architecture: the module that computes it, its
-zoo entries, the config fields only it reads (refused for every other family, so no setting is
-silently ignored) and its own checks, whether its feed-forward is gated (what a token costs,
-`minigpt.models.flops`), and its Hugging Face mapping (`HubMapping`): which config.json
+zoo entries, its own settings (a `FamilyOptions` subclass: `ModelConfig.options`), the shared
+config fields it reads (the others refused, so no setting is silently ignored) and its checks,
+whether its feed-forward is gated (what a token costs, `minigpt.models.flops`), and its
+Hugging Face mapping (`HubMapping`): which config.json
 `model_type`s it imports and how their fields become ours and back, and a table of its tensors
 (`Tensor`, one row per parameter, read both ways by `minigpt.hub`). Adding a family is a
 folder holding these and a line in `minigpt.models.FAMILIES`.
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from minigpt.config import ConfigError, ModelConfig
+from minigpt.config import ConfigError, FamilyOptions, ModelConfig
 from minigpt.config.values import check_value
 from minigpt.errors import UserError
 
@@ -37,17 +38,24 @@ class Tensor:
     `path` is the parameter in `nnx.state(model)`; stacked block parameters ([layers, ...])
     come from one tensor per layer, named with `{i}` (and experts with `{e}`). The Hugging Face
     tensor (`hf_shape`) is transposed if `transpose` (PyTorch's Linear stores [out, in]), cut
-    into `part[1]` equal pieces along its last axis and piece `part[0]` kept (GPT-2 fuses the
-    query, key and value projections), reshaped to our per-layer shape, and its rows padded to
-    our padded vocabulary if `padded`.
+    along its last axis into `part[1]` equal pieces, or pieces of the widths `part[1]` lists,
+    and piece `part[0]` kept (GPT-2 fuses the query, key and value projections in equal
+    thirds; Phi-3 its grouped ones, of q, k and v widths), reshaped to our per-layer shape, and
+    its rows padded to our padded vocabulary if `padded`.
     """
 
     path: tuple[str, ...]
     name: str
     hf_shape: tuple[int, ...]
     transpose: bool = False
-    part: tuple[int, int] = (0, 1)
+    part: tuple[int, int | tuple[int, ...]] = (0, 1)
     padded: bool = False
+
+    def span(self, width: int) -> tuple[int, int]:
+        """Where this piece lies along the file tensor's last axis (of `width`, transposed)."""
+        which, pieces = self.part
+        widths = pieces if isinstance(pieces, tuple) else (width // pieces,) * pieces
+        return sum(widths[:which]), sum(widths[:which + 1])
 
     @property
     def stacked(self) -> bool:
@@ -58,6 +66,16 @@ class Tensor:
         """Leading axes of ours that are one file tensor each: layers ({i}), then experts
         ({e}, an expert's weights stacked [layers, experts, ...])."""
         return ("{i}" in self.name) + ("{e}" in self.name)
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types`
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """`layer_types` as transformers writes them for a config's windows."""
+    pattern = cfg.sliding_window_pattern
+    return [FULL if not cfg.sliding_window or (pattern and (i + 1) % pattern == 0) else SLIDING
+            for i in range(cfg.num_layers)]
 
 
 class HFConfig:
@@ -109,6 +127,29 @@ class HFConfig:
     def fail(self, why: str) -> HubError:
         return HubError(f"{self.file} {why}")
 
+    def windows(self, layers: int, window: int, pattern: int) -> tuple[int, int]:
+        """(window, pattern) of `layer_types`, as `ModelConfig.sliding_window` and
+        `sliding_window_pattern` say them: every N-th layer full and the others sliding
+        (Gemma 3's N = 6, OLMo 3's 4), every layer sliding (pattern 0), or none (no window);
+        without `layer_types`, every `pattern`-th layer full (the family's default). Other
+        orders are refused."""
+        types = self.get("layer_types")
+        if types is None:
+            types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+        if not (isinstance(types, list) and len(types) == layers and
+                set(types) <= {SLIDING, FULL}):
+            raise self.fail(f"has layer_types {str(types)[:80]}: expected one of {SLIDING!r} "
+                            f"and {FULL!r} per layer ({layers})")
+        if FULL not in types:
+            return window, 0
+        if SLIDING not in types:
+            return 0, 0
+        for n in range(2, layers + 1):
+            if types == [FULL if (i + 1) % n == 0 else SLIDING for i in range(layers)]:
+                return window, n
+        raise self.fail("has layer_types in an order minigpt does not implement: every N-th "
+                        "layer full and the others sliding")
+
     def built(self, **fields: Any) -> ModelConfig:
         """Our config from the fields a mapping read; one line where we cannot build it."""
         try:
@@ -130,7 +171,10 @@ class HubMapping:
     (GPT-2's "transformer." before every name); `ignored`: starts of names a file may hold
     that are not this family's weights (a multimodal checkpoint's vision tower); `tied(cfg)`:
     whether the output head is the embedding (the file's `lm_head.weight` then optional);
-    `peft`: whether PEFT adapters are written and read for it."""
+    `peft`: whether PEFT adapters are written and read for it; `begins_with_end`: whether
+    its texts begin with the end token where the tokenizer names no begin token (GPT-2's
+    <|endoftext|>); `tokenizer(cfg)`: the zoo tokenizer its checkpoints mean when they carry no
+    tokenizer.json (GPT-2's own files: tiktoken's "gpt2"), or None."""
 
     model_types: tuple[str, ...]
     read: Callable[[HFConfig], ModelConfig]
@@ -140,6 +184,8 @@ class HubMapping:
     spellings: tuple[tuple[str, str], ...] = (("", ""),)
     ignored: tuple[str, ...] = ()
     peft: bool = False
+    begins_with_end: bool = False
+    tokenizer: Callable[[ModelConfig], str | None] = lambda cfg: None
 
     def spelled(self, name: str, spelling: tuple[str, str]) -> str:
         """A table name as a file with this spelling names it."""
@@ -153,8 +199,12 @@ class Family:
 
     name: str  # ModelConfig.arch
     module: Callable[..., Any]  # (config, *, rngs) -> the DecoderLM
-    zoo: dict[str, ModelConfig]
-    options: frozenset[str] = frozenset()  # config fields only this family (and others) reads
+    # Its zoo entries, as the fields of each (`minigpt.models` builds them once the registry
+    # is declared: building a config checks it against its family)
+    zoo: dict[str, dict[str, Any]]
+    options: type[FamilyOptions] | None = None  # the settings only it reads
+    # the fields several families share that it reads (ModelConfig's others refuse for some)
+    shared: frozenset[str] = frozenset()
     check: Callable[[ModelConfig], None] | None = None
     gated_mlp: bool = False  # its feed-forward has a gate projection (SwiGLU, GeGLU)
     hub: HubMapping | None = None

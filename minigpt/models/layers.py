@@ -266,12 +266,17 @@ def rope_scaling(cfg: ModelConfig) -> tuple:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, freq: jax.Array) -> jax.Array:
-    """Rotate feature pairs (i, i + H/2) of x [B, T, N, H] by angles positions * frequency i
-    (`rope_frequencies`, [H/2])."""
-    angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [B, T, 1, H/2]
+    """Rotate feature pairs (i, i + R/2) of x [B, T, N, H] by angles positions * frequency i
+    (`rope_frequencies`, [R/2]): all of its features (R = H), or the first R of them, the rest
+    passed through (Phi-3's partial rotary embedding)."""
+    freq = jnp.asarray(freq, jnp.float32)  # [R/2], or one frequency for every pair
+    turned = 2 * freq.shape[-1] if freq.ndim else x.shape[-1]
+    rotated, kept = x[..., :turned], x[..., turned:]
+    angle = positions[:, :, None, None].astype(jnp.float32) * freq  # [B, T, 1, R/2]
     sin, cos = jnp.sin(angle), jnp.cos(angle)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    x1, x2 = jnp.split(rotated.astype(jnp.float32), 2, axis=-1)
+    y = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+    return jnp.concatenate([y, kept], -1) if kept.shape[-1] else y
 
 
 def write_cache(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -288,12 +293,15 @@ class Attention(nnx.Module):
     token's position, its document, the window of a local layer) comes in one record,
     `masks.AttentionInputs`. Families may scale queries otherwise than 1/sqrt(H) (`query_scale`,
     Gemma's 1/sqrt(query_pre_attn_scalar)) and rotate local layers' keys and queries at their
-    own base (`local_rope_theta`: Gemma 3's sliding layers)."""
+    own base (`local_rope_theta`: Gemma 3's sliding layers), or bring norms of their own for
+    queries and keys (`qk_norms`: OLMo 2's, over the whole projection), or rotate the first
+    `rotary_dim` features of each head alone (Phi-3's partial rotary embedding)."""
 
     def __init__(self, cfg: ModelConfig, *, use_bias: bool, rope: bool, init: Initializer,
                  out_init: Initializer, qk_norm: bool = False, out_bias: bool | None = None,
                  query_scale: float = 0.0, local_rope_theta: float = 0.0,
-                 norm_offset: bool = False, rngs: nnx.Rngs):
+                 norm_offset: bool = False, qk_norms: tuple[nnx.Module, nnx.Module] | None = None,
+                 rotary_dim: int = 0, rngs: nnx.Rngs):
         D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim
         common = dict(use_bias=use_bias, dtype=cfg.dtype, rngs=rngs)
         out_bias = use_bias if out_bias is None else out_bias
@@ -306,6 +314,7 @@ class Attention(nnx.Module):
         self.out = Dense("BTNH,NHD->BTD", (N, H, D), ("heads", "kv", "embed"), init=out_init,
                          **{**common, "use_bias": out_bias})
         self.rope = (cfg.rope_theta, rope_scaling(cfg)) if rope else None
+        self.rotary_dim = rotary_dim or H
         self.local_theta = local_rope_theta  # 0: local layers rotate as the global ones
         # Queries pre-scaled where the family's scale is not the kernels' 1/sqrt(H).
         self.q_scale = query_scale * H ** 0.5 if query_scale else 1.0
@@ -313,7 +322,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(cfg, features=("kv", H), unit_offset=norm_offset, rngs=rngs)
             self.k_norm = RMSNorm(cfg, features=("kv", H), unit_offset=norm_offset, rngs=rngs)
         else:
-            self.q_norm = self.k_norm = None
+            self.q_norm, self.k_norm = qk_norms or (None, None)
 
     def frequencies(self, head_dim: int, attn: AttentionInputs) -> jax.Array:
         """The rotary frequencies [H/2] of this layer: the global ones, or a local layer's
@@ -333,7 +342,7 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            freq = self.frequencies(q.shape[-1], attn)
+            freq = self.frequencies(self.rotary_dim, attn)
             q, k = apply_rope(q, attn.positions, freq), apply_rope(k, attn.positions, freq)
         if self.q_scale != 1.0:
             q = q * jnp.asarray(self.q_scale, q.dtype)

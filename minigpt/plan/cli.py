@@ -26,7 +26,7 @@ from pathlib import Path
 
 import minigpt.plan.planner as planner
 import minigpt.plan.speed as speed
-from minigpt import runtime
+from minigpt import models, runtime
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.errors import exit_code
 from minigpt.models import execution
@@ -97,7 +97,7 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
     given = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
              if v is not None}
     changes = parse_overrides(args.set)
-    model_cfg = dataclasses.replace(model_cfg, **changes["model"])
+    model_cfg = models.replaced(model_cfg, **changes["model"])
     train_cfg = dataclasses.replace(train_cfg, **{**given, **changes["train"]})
     if train_cfg.seq_len > model_cfg.context_len:
         raise ConfigError(f"train.seq_len {train_cfg.seq_len} exceeds the model's context "

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt import chat_template, runtime, sharding
+from minigpt import chat_template, models, runtime, sharding
 from minigpt.checkpoint import Checkpointer, CheckpointError, has_checkpoint
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.config.values import check_value, field_types
@@ -150,7 +150,7 @@ class RunDir:
         if isinstance(train, dict):  # runs from before documents were kept apart mixed them
             train.setdefault("document_mask", False)
         try:
-            model_cfg = _built(ModelConfig, model)
+            model_cfg = models.from_dict(model)
             train_cfg = None if train is None else _built(TrainConfig, train)
             _check_record(payload)
             saved = SavedRun(model=model_cfg, train=train_cfg, record=payload)
@@ -164,7 +164,7 @@ class RunDir:
 
         A tokenizer file inside the run directory (an imported vocabulary) is recorded by its
         name there, so the run directory can move; `train` is None for imported weights."""
-        model_fields = dataclasses.asdict(model)
+        model_fields = model.as_dict()
         tokenizer = Path(model.tokenizer)
         if tokenizer.is_absolute() and tokenizer.parent == self.path.absolute():
             model_fields["tokenizer"] = tokenizer.name

@@ -10,7 +10,6 @@ read; what the values then mean on these devices is `minigpt.runs.resolved`'s to
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import types
 import typing
@@ -21,7 +20,7 @@ from typing import Any
 from minigpt.config import ConfigError, ModelConfig, TrainConfig
 from minigpt.config.values import check_value, field_types
 from minigpt.files import read_named_toml, shipped_folder
-from minigpt.models import get_config
+from minigpt.models import get_config, replaced, settable_fields
 
 RECIPES_DIR = shipped_folder("recipes")
 
@@ -52,19 +51,21 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
                           + (f"; unknown keys {unknown}" if unknown else ""))
     model_fields = dict(data["model"])
     model = str(model_fields.pop("name"))
+    for family, table in [(k, v) for k, v in model_fields.items() if isinstance(v, dict)]:
+        del model_fields[family]  # [model.llama]: that family's own settings
+        model_fields.update({f"{family}.{name}": value for name, value in table.items()})
     train_fields = dict(data.get("train", {}))
     if isinstance(train_fields.get("time_budget"), str):
         train_fields["time_budget"] = parse_duration(train_fields["time_budget"])
-    for table, cls, fields in (("model", ModelConfig, model_fields),
-                               ("train", TrainConfig, train_fields)):
-        types = field_types(cls)
-        if set(fields) - set(types):
+    for table, declared, fields in (("model", settable_fields(), model_fields),
+                                    ("train", field_types(TrainConfig), train_fields)):
+        if set(fields) - set(declared):
             raise ConfigError(f"recipe {path}: unknown [{table}] fields "
-                              f"{sorted(set(fields) - set(types))}")
+                              f"{sorted(set(fields) - set(declared))}")
         if isinstance(fields.get("data"), list):
             fields["data"] = tuple(fields["data"])
         for name, value in fields.items():
-            check_value(f"recipe {path}: {table}.{name}", types[name], value)
+            check_value(f"recipe {path}: {table}.{name}", declared[name], value)
     return Recipe(name=path.stem, description=str(data.get("description", "")), model=model,
                   model_fields=model_fields, train_fields=train_fields)
 
@@ -76,7 +77,7 @@ def recipe_configs(name_or_path: str, model: str | None = None,
     recipe = load_recipe(name_or_path)
     model_cfg = get_config(model or recipe.model)
     if model in (None, recipe.model):
-        model_cfg = dataclasses.replace(model_cfg, **recipe.model_fields)
+        model_cfg = replaced(model_cfg, **recipe.model_fields)
     train_cfg = TrainConfig(**{**recipe.train_fields, "recipe": recipe.name, **train_changes,
                                "model": model or recipe.model})
     return model_cfg, train_cfg
@@ -112,18 +113,20 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
     """`key=value` strings (a key is `field`, `model.field` or `train.field`) as the changes they
     make: {"model": {field: value}, "train": {field: value}}, values of the declared types."""
     changes: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
-    hints = {"model": typing.get_type_hints(ModelConfig),
-             "train": typing.get_type_hints(TrainConfig)}
+    hints = {"model": settable_fields(), "train": typing.get_type_hints(TrainConfig)}
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         scope, _, name = key.rpartition(".")
+        if scope.startswith("model.") and scope.count(".") == 1:  # model.llama.qk_norm
+            scope, name = "model", f"{scope[6:]}.{name}"
         if scope == "data":  # the data's settings are train fields: data.truncate is
             scope, name = "train", f"data_{name}"  # train.data_truncate, data.root data_root
         scopes = [scope] if scope else [s for s in ("model", "train") if name in hints[s]]
         if not scopes or scopes[0] not in hints or name not in hints[scopes[0]]:
-            known = sorted(f"model.{n}" for n in hints["model"]) + sorted(
+            known = sorted(f"model.{n}" for n in hints["model"]  # family fields as family.name
+                           if "." in n or n in field_types(ModelConfig)) + sorted(
                 f"train.{n}" for n in hints["train"])
             raise ConfigError(f"--set: unknown field {key!r}; known fields: {', '.join(known)}")
         if len(scopes) > 1:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from minigpt import plan, runtime
+from minigpt import models, plan, runtime
 from minigpt.config import (
     EXECUTION_FIELDS,
     ConfigError,
@@ -77,7 +77,7 @@ def resolve_configs(args: argparse.Namespace) -> tuple[ModelConfig, TrainConfig]
         model_cfg = get_config(args.model or TrainConfig.model)
         train_cfg = TrainConfig(**{**given, "model": args.model or TrainConfig.model})
     model_cfg = _with_tokenizer(model_cfg, args.tokenizer)
-    return (dataclasses.replace(model_cfg, **changes["model"]),
+    return (models.replaced(model_cfg, **changes["model"]),
             dataclasses.replace(train_cfg, **changes["train"]))
 
 
@@ -105,7 +105,7 @@ def _started_from(args: argparse.Namespace, given: dict[str, Any],
         "source", str(source.path))
     train_fields = dict(load_recipe(args.recipe).train_fields, recipe=load_recipe(
         args.recipe).name) if args.recipe else {}
-    model_cfg = dataclasses.replace(saved.model, **changes["model"])
+    model_cfg = models.replaced(saved.model, **changes["model"])
     train_cfg = TrainConfig(**{**train_fields, **given, "model": name})
     return model_cfg, dataclasses.replace(train_cfg, **changes["train"])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from minigpt import models
 from minigpt.config import EXECUTION_FIELDS, ModelConfig, TrainConfig
 from minigpt.runs import RunDir, RunError, SavedRun
 
@@ -51,14 +52,15 @@ def resume_configs(run: RunDir, wanted: ModelConfig | None, says: dict[str, Any]
     if saved.train is None:
         raise RunError(f"{run.path} holds imported weights, not a training run: start training "
                        f"from them with --init-from {run.path} --out NEW")
-    wanted = dataclasses.replace(wanted or saved.model, **model_changes)
-    _refuse_differences(run, "model", {
-        f.name: (getattr(saved.model, f.name), getattr(wanted, f.name))
-        for f in dataclasses.fields(ModelConfig) if f.name not in EXECUTION_FIELDS})
+    wanted = models.replaced(wanted or saved.model, **model_changes)
+    before, after = saved.model.flat(), wanted.flat()
+    _refuse_differences(run, "model", {name: (before.get(name), after.get(name))
+                                       for name in {**before, **after}
+                                       if name not in EXECUTION_FIELDS})
     _refuse_differences(run, "run", {name: (getattr(saved.train, name), says[name])
                                      for name in IDENTITY_FIELDS if name in says})
     says = _settle_time_budget(run, saved, says)
-    model_cfg = dataclasses.replace(saved.model, **{
+    model_cfg = models.replaced(saved.model, **{
         k: v for k, v in model_changes.items() if k in EXECUTION_FIELDS})
     return model_cfg, dataclasses.replace(saved.train, **says)
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from minigpt.config import ModelConfig
-from minigpt.models.family import HFConfig, HubError, HubMapping, Tensor
+from minigpt.models.family import FULL, SLIDING, HFConfig, HubError, HubMapping, Tensor, layer_types
+from minigpt.models.gemma3.config import Gemma3Options
 from minigpt.models.llama.hub import rope_fields
-
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def tensors(cfg: ModelConfig) -> list[Tensor]:
@@ -60,7 +59,8 @@ def read(hf: HFConfig) -> ModelConfig:
     D, N = hf.number("hidden_size", 2304), hf.number("num_attention_heads", 8)
     layers = hf.number("num_hidden_layers", 26)
     head_dim = hf.number("head_dim", 256)
-    window, pattern = _windows(hf, layers, hf.number("sliding_window", 4096))
+    window, pattern = hf.windows(layers, hf.number("sliding_window", 4096),
+                                 hf.number("sliding_window_pattern", 6))
     global_rope, local_theta = _rope(hf)
     return hf.built(arch="gemma3", vocab_size=hf.number("vocab_size", 262_208),
                     context_len=hf.number("max_position_embeddings", 131_072), embed_dim=D,
@@ -69,29 +69,10 @@ def read(hf: HFConfig) -> ModelConfig:
                     dropout=0.0, norm_eps=hf.number("rms_norm_eps", 1e-6, float),
                     head_size=0 if head_dim * N == D else head_dim, tie_embeddings=True,
                     sliding_window=window, sliding_window_pattern=pattern,
-                    query_pre_attn_scalar=float(hf.number("query_pre_attn_scalar", 256, float)),
-                    local_rope_theta=local_theta, **global_rope)
-
-
-def _windows(hf: HFConfig, layers: int, window: int) -> tuple[int, int]:
-    """(window, pattern) of `layer_types`: every N-th layer full, the others sliding (Gemma 3's
-    N = 6), every layer sliding (pattern 0), or none (no window); other orders are refused."""
-    types = hf.get("layer_types")
-    if types is None:
-        pattern = hf.number("sliding_window_pattern", 6)
-        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
-    if not (isinstance(types, list) and len(types) == layers and set(types) <= {SLIDING, FULL}):
-        raise hf.fail(f"has layer_types {str(types)[:80]}: expected one of {SLIDING!r} and "
-                      f"{FULL!r} per layer ({layers})")
-    if FULL not in types:
-        return window, 0
-    if SLIDING not in types:
-        return 0, 0
-    for n in range(2, layers + 1):
-        if types == [FULL if (i + 1) % n == 0 else SLIDING for i in range(layers)]:
-            return window, n
-    raise hf.fail("has layer_types in an order minigpt does not implement: every N-th layer "
-                  "full and the others sliding")
+                    options=Gemma3Options(
+                        query_pre_attn_scalar=float(hf.number("query_pre_attn_scalar", 256,
+                                                              float)),
+                        local_rope_theta=local_theta), **global_rope)
 
 
 def _rope(hf: HFConfig) -> tuple[dict[str, Any], float]:
@@ -111,19 +92,18 @@ def _rope(hf: HFConfig) -> tuple[dict[str, Any], float]:
 
 
 def write(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
-    if not float(cfg.query_pre_attn_scalar).is_integer():
-        raise HubError(f"model.query_pre_attn_scalar {cfg.query_pre_attn_scalar:g}: transformers' "
-                       f"Gemma 3 takes a whole number there")
+    own = cfg.options  # Gemma3Options
+    if not float(own.query_pre_attn_scalar).is_integer():
+        raise HubError(f"model.gemma3.query_pre_attn_scalar {own.query_pre_attn_scalar:g}: "
+                       f"transformers' Gemma 3 takes a whole number there")
     if cfg.sliding_window and not cfg.sliding_window_pattern:
         raise HubError("Gemma3ForCausalLM has global layers: a gemma3 model whose every layer "
                        "slides (model.sliding_window_pattern 0) has no Hugging Face class")
-    pattern = cfg.sliding_window_pattern
-    types = [FULL if not cfg.sliding_window or (i + 1) % pattern == 0 else SLIDING
-             for i in range(cfg.num_layers)]
+    types = layer_types(cfg)
     full = {"rope_type": cfg.rope_scaling or "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
         full["factor"] = cfg.rope_factor
-    local = {"rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}
+    local = {"rope_type": "default", "rope_theta": own.local_rope_theta or cfg.rope_theta}
     return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
             "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
@@ -132,7 +112,7 @@ def write(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
             "max_position_embeddings": cfg.context_len, "rms_norm_eps": cfg.norm_eps,
             "rope_parameters": {SLIDING: local, FULL: full},
             # an integer in transformers' config class (ours is a float: any scale imports)
-            "query_pre_attn_scalar": round(cfg.query_pre_attn_scalar or cfg.head_dim),
+            "query_pre_attn_scalar": round(own.query_pre_attn_scalar or cfg.head_dim),
             # transformers' class wants a window even where no layer slides: the whole context
             "sliding_window": cfg.sliding_window or cfg.context_len, "layer_types": types,
             "attention_bias": False, "attention_dropout": 0.0,

@@ -7,7 +7,8 @@ residual stream); queries and keys are RMS-normalised per head; queries are scal
 1/sqrt(query_pre_attn_scalar) rather than 1/sqrt(H); the token embeddings are multiplied by
 sqrt(D); the feed-forward is GeGLU (the tanh approximation of GELU, gated); the output head is
 the embedding table. Five of every six layers are local (`model.sliding_window` with
-`model.sliding_window_pattern` 6: a window of keys, rotary base `model.local_rope_theta`), the
+`model.sliding_window_pattern` 6: a window of keys, rotary base
+`model.gemma3.local_rope_theta`), the
 sixth global (the whole context, base `model.rope_theta`, with any rope scaling).
 """
 
@@ -49,8 +50,9 @@ class TransformerBlock(nnx.Module):
         self.norm1, self.norm1_out, self.norm2, self.norm2_out = norm(), norm(), norm(), norm()
         self.attention = Attention(
             cfg, use_bias=False, rope=True, init=normal, out_init=residual, qk_norm=True,
-            norm_offset=True, query_scale=(cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
-            local_rope_theta=cfg.local_rope_theta, rngs=rngs)
+            norm_offset=True,
+            query_scale=(cfg.options.query_pre_attn_scalar or cfg.head_dim) ** -0.5,
+            local_rope_theta=cfg.options.local_rope_theta, rngs=rngs)
         self.mlp = GeGLU(cfg, out_init=residual, rngs=rngs)
         self.rate = cfg.dropout
 

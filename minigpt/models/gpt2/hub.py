@@ -71,4 +71,7 @@ def write(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
 
 
 MAPPING = HubMapping(model_types=("gpt2",), read=read, write=write, tensors=tensors,
-                     tied=lambda cfg: True, spellings=(("", "transformer."), ("", "")))
+                     tied=lambda cfg: True, spellings=(("", "transformer."), ("", "")),
+                     # GPT-2's own files carry no tokenizer.json: they mean tiktoken's
+                     begins_with_end=True,
+                     tokenizer=lambda cfg: "gpt2" if cfg.vocab_size == 50257 else None)

@@ -9,42 +9,42 @@ import dataclasses
 
 from minigpt.config import MOE_FIELDS, ConfigError, ModelConfig
 from minigpt.models.family import Family
+from minigpt.models.llama.config import LlamaOptions
 from minigpt.models.llama.hub import MAPPING
 from minigpt.models.llama.model import Llama
 
-_LLAMA = dict(arch="llama", norm_eps=1e-5, dropout=0.0)
+_LLAMA = dict(norm_eps=1e-5, dropout=0.0)
 _STORIES = dict(tokenizer="tinystories-4k", vocab_size=4096)
 
 ZOO = {
     # About 15M parameters, most of them in the two 50304 x 128 vocabulary tables.
-    "llama-15m": ModelConfig(**_LLAMA, context_len=256, embed_dim=128, num_heads=8,
-                             num_kv_heads=4, mlp_dim=384, num_layers=8),
-    "llama-tiny": ModelConfig(**_LLAMA, context_len=128, embed_dim=128, num_heads=16,
-                              num_kv_heads=8, mlp_dim=256, num_layers=2),
+    "llama-15m": dict(**_LLAMA, context_len=256, embed_dim=128, num_heads=8, num_kv_heads=4,
+                      mlp_dim=384, num_layers=8),
+    "llama-tiny": dict(**_LLAMA, context_len=128, embed_dim=128, num_heads=16, num_kv_heads=8,
+                       mlp_dim=256, num_layers=2),
     # Sized for a laptop CPU and ten minutes (recipes/stories-cpu.toml), chosen by held-out
     # bits per byte after a fixed wall-clock budget (bench/bench_stories.py): TinyStories'
     # 4,096-token vocabulary, so the output layer is a small part of each step. Four layers
     # unrolled compile as fast as a scan and step 7% faster at this shape (bench/RESULTS.md).
-    "llama-cpu": ModelConfig(**_LLAMA, **_STORIES, context_len=256, embed_dim=128,
-                             num_heads=4, num_kv_heads=4, mlp_dim=384, num_layers=4,
-                             scan_layers=False),
+    "llama-cpu": dict(**_LLAMA, **_STORIES, context_len=256, embed_dim=128, num_heads=4,
+                      num_kv_heads=4, mlp_dim=384, num_layers=4, scan_layers=False),
     # A mixture of experts for tests: every layer sparse, 8 SwiGLU experts of width 64 (top 2)
     # and a shared expert as Qwen2-MoE has; TinyStories' small vocabulary keeps it quick.
-    "moe-tiny": ModelConfig(**_LLAMA, **_STORIES, context_len=128, embed_dim=64, num_heads=8,
-                            num_kv_heads=4, mlp_dim=128, num_layers=2, num_experts=8,
-                            experts_per_token=2, expert_mlp_dim=64, shared_expert_mlp_dim=64),
+    "moe-tiny": dict(**_LLAMA, **_STORIES, context_len=128, embed_dim=64, num_heads=8,
+                     num_kv_heads=4, mlp_dim=128, num_layers=2, num_experts=8,
+                     experts_per_token=2, expert_mlp_dim=64, shared_expert_mlp_dim=64),
     # llama-cpu with each feed-forward made 8 experts of half its width, 2 per token: the same
     # parameters per token (and FLOPs, the router aside) as llama-cpu, 4x its feed-forward
     # parameters in all (bench/bench_moe.py compares them).
-    "moe-cpu": ModelConfig(**_LLAMA, **_STORIES, context_len=256, embed_dim=128, num_heads=4,
-                           num_kv_heads=4, mlp_dim=384, num_layers=4, scan_layers=False,
-                           num_experts=8, experts_per_token=2, expert_mlp_dim=192),
+    "moe-cpu": dict(**_LLAMA, **_STORIES, context_len=256, embed_dim=128, num_heads=4,
+                    num_kv_heads=4, mlp_dim=384, num_layers=4, scan_layers=False,
+                    num_experts=8, experts_per_token=2, expert_mlp_dim=192),
 }
 
 # Rotary scaling (Llama 3.1+'s "llama3", "linear"), and what Qwen and Mixtral add.
 ROPE_FIELDS = frozenset({"rope_scaling", "rope_factor", "rope_low_freq", "rope_high_freq",
                          "rope_original_context"})
-OPTIONS = frozenset({"qk_norm", "qkv_bias", "out_bias", *ROPE_FIELDS, *MOE_FIELDS})
+SHARED = frozenset({*ROPE_FIELDS, *MOE_FIELDS})
 
 def check_experts(cfg: ModelConfig) -> None:
     """A mixture of experts' settings: in range, and only for a model with experts."""
@@ -84,8 +84,7 @@ def check_experts(cfg: ModelConfig) -> None:
             f"(decoder_sparse_step=1, no mlp_only_layers)")
 
 
-FAMILY = Family(name="llama", module=Llama, zoo=ZOO, options=OPTIONS, check=check_experts,
-                gated_mlp=True,
-                hub=MAPPING,
+FAMILY = Family(name="llama", module=Llama, zoo=ZOO, options=LlamaOptions, shared=SHARED,
+                check=check_experts, gated_mlp=True, hub=MAPPING,
                 about="Llama and its relatives: RMSNorm, rotary positions, grouped-query "
                       "attention, SwiGLU (Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE)")

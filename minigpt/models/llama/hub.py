@@ -11,6 +11,7 @@ from typing import Any
 
 from minigpt.config import ModelConfig
 from minigpt.models.family import HFConfig, HubError, HubMapping, Tensor
+from minigpt.models.llama.config import LlamaOptions
 
 MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
@@ -41,7 +42,7 @@ def tensors(cfg: ModelConfig) -> list[Tensor]:
         out = [t for t in out if t.path[:3] != (*block, "mlp")]
         E, X = cfg.num_experts, cfg.expert_dim
         moe = (*block, "mlp")
-        sparse, weights = (("mlp", ("gate_proj", "up_proj", "down_proj")) if cfg.qk_norm
+        sparse, weights = (("mlp", ("gate_proj", "up_proj", "down_proj")) if cfg.options.qk_norm
                            else ("block_sparse_moe", ("w1", "w3", "w2")))
         expert = f"{layer}.{sparse}.experts.{{e}}"
         out += [Tensor((*moe, "router", "kernel"), f"{layer}.{sparse}.gate.weight", (E, D),
@@ -50,15 +51,15 @@ def tensors(cfg: ModelConfig) -> list[Tensor]:
                          transpose=True)
                   for ours, hf, shape in zip(("gate", "up", "down"), weights,
                                              ((X, D), (X, D), (D, X)))]]
-    if cfg.qk_norm:  # Qwen3
+    if cfg.options.qk_norm:  # Qwen3
         out += [Tensor((*block, "attention", f"{x}_norm", "scale"),
                        f"{layer}.self_attn.{x}_norm.weight", (cfg.head_dim,)) for x in "qk"]
-    if cfg.qkv_bias:  # Qwen2
+    if cfg.options.qkv_bias:  # Qwen2
         out += [Tensor((*block, "attention", ours, "bias"), f"{layer}.self_attn.{hf}.bias",
                        (rows,)) for ours, hf, rows in (("query", "q_proj", q),
                                                        ("key", "k_proj", kv),
                                                        ("value", "v_proj", kv))]
-    if cfg.out_bias:
+    if cfg.options.out_bias:
         out.append(Tensor((*block, "attention", "out", "bias"), f"{layer}.self_attn.o_proj.bias",
                           (D,)))
     if not cfg.tie_embeddings:
@@ -138,8 +139,9 @@ def _llama(hf: HFConfig, qk_norm: bool = False, qkv_bias: bool = False,
                     num_layers=hf.number("num_hidden_layers", 32), dropout=0.0,
                     norm_eps=hf.number("rms_norm_eps", 1e-6, float),
                     head_size=0 if head_dim * N == D else head_dim,
-                    tie_embeddings=hf.flag("tie_word_embeddings", False), qk_norm=qk_norm,
-                    qkv_bias=qkv_bias or attention_bias, out_bias=attention_bias,
+                    tie_embeddings=hf.flag("tie_word_embeddings", False),
+                    options=LlamaOptions(qk_norm=qk_norm, qkv_bias=qkv_bias or attention_bias,
+                                         out_bias=attention_bias),
                     sliding_window=window if window < context else 0,
                     **rope_fields(hf, hf.get("rope_parameters") or hf.get("rope_scaling") or {},
                                   hf.number("rope_theta", 1e4, float)), **experts)
@@ -186,7 +188,7 @@ def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def write(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
-    if cfg.out_bias and not cfg.qkv_bias:
+    if cfg.options.out_bias and not cfg.options.qkv_bias:
         raise HubError("a llama with a bias on the attention's output projection alone has no "
                        "Hugging Face class (Llama's attention_bias puts one on all four)")
     if cfg.sliding_window_pattern:
@@ -202,21 +204,22 @@ def write(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
              "rope_parameters": rope, "rope_theta": cfg.rope_theta,
              "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}
              if cfg.rope_scaling else None,
-             "hidden_act": "silu", "attention_bias": cfg.out_bias, "mlp_bias": False,
+             "hidden_act": "silu", "attention_bias": cfg.options.out_bias, "mlp_bias": False,
              "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings, **common}
     if cfg.sliding_window:
-        if cfg.qk_norm or cfg.qkv_bias or cfg.num_experts:
+        if cfg.options.qk_norm or cfg.options.qkv_bias or cfg.num_experts:
             raise HubError("a sliding window is Mistral's, which has no query and key norms, "
                            "biases or experts: this model has no Hugging Face class")
         return {**llama, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
                 "sliding_window": cfg.sliding_window}
     if cfg.num_experts:
         return _experts_config(cfg, llama)
-    if cfg.qk_norm or (cfg.qkv_bias and not cfg.out_bias):  # Qwen3 (query and key norms)
+    own = cfg.options
+    if own.qk_norm or (own.qkv_bias and not own.out_bias):  # Qwen3 (query and key norms)
         qwen = {"use_sliding_window": False, "sliding_window": None,  # or Qwen2 (qkv biases)
                 "layer_types": ["full_attention"] * cfg.num_layers}
-        if cfg.qk_norm:
-            if cfg.qkv_bias != cfg.out_bias:
+        if cfg.options.qk_norm:
+            if cfg.options.qkv_bias != cfg.options.out_bias:
                 raise HubError("Qwen3's attention_bias puts biases on all four projections or "
                                "none: this model's cannot be written as Qwen3ForCausalLM")
             return {**llama, **qwen, "architectures": ["Qwen3ForCausalLM"],
@@ -228,13 +231,13 @@ def write(cfg: ModelConfig, common: dict[str, Any]) -> dict[str, Any]:
 def _experts_config(cfg: ModelConfig, llama: dict[str, Any]) -> dict[str, Any]:
     """A mixture of experts as the Hugging Face class that computes it: Qwen3-MoE (query and
     key norms, top-k weights renormalised or not), or Mixtral (renormalised, no norms)."""
-    if cfg.qkv_bias or cfg.out_bias or cfg.shared_expert_mlp_dim:
+    if cfg.options.qkv_bias or cfg.options.out_bias or cfg.shared_expert_mlp_dim:
         raise HubError("a mixture of experts with attention biases or a shared expert has no "
                        "Hugging Face class minigpt writes (Mixtral and Qwen3-MoE have neither)")
     experts = {"num_experts_per_tok": cfg.experts_per_token,
                "router_aux_loss_coef": cfg.router_aux_loss_coef,
                "output_router_logits": False, "sliding_window": None}
-    if cfg.qk_norm:
+    if cfg.options.qk_norm:
         return {**llama, **experts, "architectures": ["Qwen3MoeForCausalLM"],
                 "model_type": "qwen3_moe", "num_experts": cfg.num_experts,
                 "num_local_experts": cfg.num_experts, "moe_intermediate_size": cfg.expert_dim,

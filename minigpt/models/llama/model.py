@@ -4,7 +4,7 @@ RMSNorm before each sublayer, rotary position embeddings on queries and keys (no
 positions), grouped-query attention (several query heads share one key/value head, which
 shrinks the KV cache), a SwiGLU feed-forward (silu(x W_gate) * x W_up, then W_down), no biases,
 a final RMSNorm and an output head, untied unless `tie_embeddings` (SmolLM2 ties it). With
-`qk_norm` each query and key head is RMS-normalised before the rotary embedding, as in Qwen3
+`options.qk_norm` each query and key head is RMS-normalised before the rotary embedding, as in Qwen3
 (Yang et al., 2025), which keeps attention scores from growing and lets small models learn
 faster (bench/RESULTS.md). With `num_experts` the feed-forward of every layer is a mixture of
 experts instead (`minigpt.models.moe`: Mixtral, Qwen3-MoE, OLMoE).
@@ -56,9 +56,10 @@ class TransformerBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         residual = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.num_layers))
         self.norm1 = RMSNorm(cfg, rngs=rngs)
-        self.attention = Attention(cfg, use_bias=cfg.qkv_bias, rope=True, init=normal,
-                                   out_init=residual, qk_norm=cfg.qk_norm,
-                                   out_bias=cfg.out_bias, rngs=rngs)
+        own = cfg.options  # LlamaOptions
+        self.attention = Attention(cfg, use_bias=own.qkv_bias, rope=True, init=normal,
+                                   out_init=residual, qk_norm=own.qk_norm,
+                                   out_bias=own.out_bias, rngs=rngs)
         self.norm2 = RMSNorm(cfg, rngs=rngs)
         if cfg.num_experts:
             shared = cfg.shared_expert_mlp_dim and SwiGLU(
@@ -81,11 +82,17 @@ class TransformerBlock(nnx.Module):
 
 
 class Llama(DecoderLM):
+    """The token embedding, the stacked blocks, a final RMSNorm and the output head (the
+    embedding where tied). Families with Llama's frame and a block of their own (OLMo 2,
+    Phi-3) subclass it with their `Block`."""
+
+    Block = TransformerBlock
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.tokens = Embedding(cfg.padded_vocab, cfg.embed_dim, ("vocab", "embed"),
                                 init=normal, dtype=cfg.dtype, rngs=rngs)
-        self.blocks = BlockStack(lambda r: TransformerBlock(cfg, rngs=r), cfg, rngs=rngs)
+        self.blocks = BlockStack(lambda r: self.Block(cfg, rngs=r), cfg, rngs=rngs)
         self.final_norm = RMSNorm(cfg, rngs=rngs)
         self.output = None if cfg.tie_embeddings else Dense(
             "...D,VD->...V", (cfg.padded_vocab, cfg.embed_dim), ("vocab", "embed"), init=normal,

@@ -12,17 +12,14 @@ _STORIES = dict(tokenizer="tinystories-4k", vocab_size=4096)
 
 ZOO = {
     # The tutorial's model: vocab 50257, context 256, 8 blocks of width 256 with 8 heads.
-    "minigpt": ModelConfig(arch="minigpt"),
+    "minigpt": dict(),
     # The "-tiny" sizes are for tests on CPU: every dimension a preset may split divides by 8.
-    "minigpt-tiny": ModelConfig(arch="minigpt", context_len=128, embed_dim=64, num_heads=8,
-                                mlp_dim=128, num_layers=2),
+    "minigpt-tiny": dict(context_len=128, embed_dim=64, num_heads=8, mlp_dim=128, num_layers=2),
     # minigpt-tiny with 8 layers: one per stage when a pipeline preset spans 8 devices.
-    "minigpt-tiny8": ModelConfig(arch="minigpt", context_len=128, embed_dim=64, num_heads=8,
-                                 mlp_dim=128, num_layers=8),
+    "minigpt-tiny8": dict(context_len=128, embed_dim=64, num_heads=8, mlp_dim=128, num_layers=8),
     # Sized for a laptop CPU and ten minutes, as llama-cpu (minigpt.models.llama).
-    "minigpt-cpu": ModelConfig(arch="minigpt", **_STORIES, dropout=0.0, context_len=256,
-                               embed_dim=128, num_heads=4, mlp_dim=512, num_layers=4,
-                               scan_layers=False),
+    "minigpt-cpu": dict(**_STORIES, dropout=0.0, context_len=256, embed_dim=128, num_heads=4,
+                        mlp_dim=512, num_layers=4, scan_layers=False),
 }
 
 

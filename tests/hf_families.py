@@ -23,6 +23,10 @@ and tokenizer_config.json have the structure the real ones have.
   query scale and rotary bases, tied; a SentencePiece BPE with byte fallback and Gemma's
   special tokens converted by `GemmaTokenizer`; a template in Gemma's turn format (the system
   message joins the first user turn, the assistant is "model").
+- OLMo 2: `Olmo2ForCausalLM`, norms after each sublayer and query/key norms over the whole
+  projection, untied, config.json without `bos_token_id` as allenai/OLMo-2-0425-1B's; a GPT-2
+  class tokenizer of tiktoken ranks with cl100k's split (OLMo's dolma2 tokenizer is cl100k's),
+  `<|endoftext|>` and `<|pad|>`, and OLMo's Tulu-style chat template.
 
 tokenizer_config.json names the class the real files name (PreTrainedTokenizerFast,
 Qwen2Tokenizer, LlamaTokenizer, GPT2Tokenizer). What the tests compare with is transformers'
@@ -133,6 +137,17 @@ GEMMA_TEMPLATE = """{{- bos_token }}
 {%- endif %}
 """
 
+# OLMo 2 Instruct's format, written here: <|user|> / <|assistant|> turns in plain text, each
+# reply ended by the end token.
+OLMO_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '<|system|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\n' + message['content'] + "
+    "eos_token + ('' if loop.last else '\n') }}{% endif %}"
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    "{% endfor %}")
+
 CHAT_SYSTEM = "You are a storyteller for small children."
 CHAT_MESSAGE = "Tell me a story about a cat named Tom."
 CHAT_TOKENS = 24  # new tokens a chat may take; the instruct models stop before (`make_it_stop`)
@@ -215,6 +230,17 @@ def gemma_tokenizer(work: Path) -> transformers.PreTrainedTokenizerBase:
     (work / "tokenizer.model").write_bytes(model.getvalue())
     return transformers.GemmaTokenizer.from_pretrained(
         work, model_max_length=128, add_bos_token=True, additional_special_tokens=GEMMA_TURNS)
+
+
+def olmo_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """OLMo 2's layout: byte-level BPE ranks with cl100k's split (Llama 3's regex is the same),
+    <|endoftext|> and <|pad|> after them, nothing added to a text."""
+    tok = TikTokenConverter(vocab_file=str(SHIPPED_DIR / "tinystories-4k.tiktoken"),
+                            pattern=LLAMA3_SPLIT,
+                            extra_special_tokens=["<|endoftext|>", "<|pad|>"]).converted()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+        pad_token="<|pad|>", unk_token=None, model_max_length=128)
 
 
 def smollm2_tokenizer(*, instruct: bool) -> transformers.PreTrainedTokenizerBase:
@@ -342,6 +368,13 @@ FAMILIES = {
                      eos=("<eos>", "<end_of_turn>"), bos="<bos>", template=GEMMA_TEMPLATE,
                      stop="<end_of_turn>", tokenizer_class="GemmaTokenizer",
                      past_rows=("<image_soft_token>",)),
+    "olmo2": Family(lambda w: olmo_tokenizer(), transformers.Olmo2ForCausalLM,
+                    transformers.Olmo2Config,
+                    dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                         tie_word_embeddings=False, pad_token_id=4096),
+                    eos=("<|endoftext|>",), bos=None, vocab_multiple=64,
+                    template=OLMO_TEMPLATE, stop="<|endoftext|>",
+                    tokenizer_class="GPT2Tokenizer"),
 }
 
 

@@ -48,8 +48,8 @@ pytestmark = pytest.mark.usefixtures("float32_compute")
 # under dp as well: dp differs from fsdp only in where the weights lie, which
 # test_hub.py::test_gpt2_import_matches_the_architecture_under_every_preset checks preset by
 # preset, so the families need not meet it one by one.
-QUICK = {"llama3": "fsdp", "qwen2": "fsdp", "llama2": "fsdp", "gemma3": "fsdp"}
-ALSO_UNDER_DP = ("llama3-tied",)
+QUICK = {"llama3": "fsdp", "qwen2": "fsdp", "llama2": "fsdp", "gemma3": "fsdp", "olmo2": "dp"}
+ALSO_UNDER_DP = ("llama3-tied", "olmo2")
 CASES = [pytest.param(family, preset, id=f"{family}-{preset}",
                       marks=() if QUICK.get(family) == preset else pytest.mark.slow)
          for family in hf.FAMILIES
@@ -60,6 +60,7 @@ INSTRUCT = [pytest.param(name, marks=() if name == "llama3-instruct" else pytest
             for name, family in hf.FAMILIES.items() if family.template]
 EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
+               "olmo2": "Olmo2ForCausalLM",
                }
 
 
@@ -149,8 +150,8 @@ def test_family_imports_generates_and_exports_as_transformers_does(family, prese
 
     # the tokenizer: the checkpoint's own, as transformers reads it
     assert ours_tok.stop_tokens == tuple(ck.stop_ids)
-    bos = ck.tokenizer.convert_tokens_to_ids(ck.family.bos)
-    adds_bos = auto("a")["input_ids"][:1] == [bos]
+    bos = ck.tokenizer.convert_tokens_to_ids(ck.family.bos) if ck.family.bos else None
+    adds_bos = bos is not None and auto("a")["input_ids"][:1] == [bos]
     assert ours_tok.bos_token == (bos if adds_bos else None)
     assert adds_bos == family.startswith(("llama3", "llama2", "mistral", "gemma3"))
     assert_same_tokenizer(ours_tok, auto, ck)

@@ -66,7 +66,9 @@ def zoo_cases():
     the other presets is checked where it lives: Llama's rotary positions and GPT-2's learned
     ones on a split sequence, each under two context presets (tests/test_context_parallel.py);
     an expert axis splits only a mixture's experts (tests/test_moe.py). The default run checks
-    minigpt-tiny and gemma3-tiny under `fsdp_tp`; `-m slow` runs the other pairs."""
+    minigpt-tiny and gemma3-tiny under `fsdp_tp`; `-m slow` runs the other pairs.
+    OLMo 2 (its norms over the whole projection of heads split over devices) runs under
+    `fsdp_tp` in the default run."""
     pairs = [("minigpt-tiny", name) for name in sharding.available_presets()
              if not sharding.load_preset(name).mesh_axes_of("layers")]
     pairs += [("gpt2-tiny", "fsdp_tp"), ("llama-tiny", "fsdp_tp")]
@@ -74,6 +76,8 @@ def zoo_cases():
     # asks: under dp, fsdp and fsdp_tp, the last in the default run.
     pairs += [("gemma3-tiny", "dp"), ("gemma3-tiny", "fsdp"), ("gemma3-tiny", "fsdp_tp")]
     quick = [("minigpt-tiny", "fsdp_tp"), ("gemma3-tiny", "fsdp_tp")]
+    pairs += [("olmo2-tiny", "fsdp_tp")]
+    quick += [("olmo2-tiny", "fsdp_tp")]
     for model_name, name in pairs:
         slow = (model_name, name) not in quick
         yield pytest.param(model_name, name, marks=[pytest.mark.slow] if slow else [])

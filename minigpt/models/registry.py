@@ -22,6 +22,7 @@ from minigpt.models.gemma3 import FAMILY as GEMMA3
 from minigpt.models.gpt2 import FAMILY as GPT2
 from minigpt.models.llama import FAMILY as LLAMA
 from minigpt.models.minigpt import FAMILY as MINIGPT
+from minigpt.models.olmo2 import FAMILY as OLMO2
 
 # A family's folder and its lines here are all that adding one takes.
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -29,6 +30,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     GPT2,
     LLAMA,
     GEMMA3,
+    OLMO2,
 )}
 
 

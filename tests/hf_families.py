@@ -27,6 +27,8 @@ and tokenizer_config.json have the structure the real ones have.
   projection, untied, config.json without `bos_token_id` as allenai/OLMo-2-0425-1B's; a GPT-2
   class tokenizer of tiktoken ranks with cl100k's split (OLMo's dolma2 tokenizer is cl100k's),
   `<|endoftext|>` and `<|pad|>`, and OLMo's Tulu-style chat template.
+- OLMo 3: `Olmo3ForCausalLM`, OLMo 2's block with a sliding (window of 8) and a full layer,
+  rotary settings per kind of layer, OLMo 2's tokenizer.
 
 tokenizer_config.json names the class the real files name (PreTrainedTokenizerFast,
 Qwen2Tokenizer, LlamaTokenizer, GPT2Tokenizer). What the tests compare with is transformers'
@@ -374,6 +376,14 @@ FAMILIES = {
                          tie_word_embeddings=False, pad_token_id=4096),
                     eos=("<|endoftext|>",), bos=None, vocab_multiple=64,
                     template=OLMO_TEMPLATE, stop="<|endoftext|>",
+                    tokenizer_class="GPT2Tokenizer"),
+    "olmo3": Family(lambda w: olmo_tokenizer(), transformers.Olmo3ForCausalLM,
+                    transformers.Olmo3Config,
+                    dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                         rope_parameters={kind: {"rope_type": "default", "rope_theta": 5e5}
+                                          for kind in ("sliding_attention", "full_attention")},
+                         tie_word_embeddings=False, pad_token_id=4096),
+                    eos=("<|endoftext|>",), bos=None, vocab_multiple=64,
                     tokenizer_class="GPT2Tokenizer"),
 }
 

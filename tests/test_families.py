@@ -61,6 +61,7 @@ INSTRUCT = [pytest.param(name, marks=() if name == "llama3-instruct" else pytest
 EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
                "olmo2": "Olmo2ForCausalLM",
+               "olmo3": "Olmo3ForCausalLM",
                }
 
 
@@ -265,6 +266,11 @@ IMPORT_REFUSALS = {
     "qwen-sliding-window": ("qwen2", lambda d: _edit(d / "config.json", use_sliding_window=True,
                                                     sliding_window=32), "use_sliding_window"),
     "tokenizer": ("smollm2", _unloadable, "cannot be read by the tokenizers library"),
+    # OLMo 3 7B's YaRN on its full layers: not yet
+    "olmo3-yarn": ("olmo3", lambda d: _edit(d / "config.json", rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+        "full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0,
+                           "original_max_position_embeddings": 64}}), 'rope_type "yarn"'),
     # Gemma 3's special token past the rows imports (below); an ordinary one does not
     "ordinary-past-rows": ("gemma3", lambda d: _not_special(d, "<image_soft_token>"),
                            "'<image_soft_token>' (id 501) is ordinary text past the embedding "

@@ -23,6 +23,7 @@ from minigpt.models.gpt2 import FAMILY as GPT2
 from minigpt.models.llama import FAMILY as LLAMA
 from minigpt.models.minigpt import FAMILY as MINIGPT
 from minigpt.models.olmo2 import FAMILY as OLMO2
+from minigpt.models.olmo3 import FAMILY as OLMO3
 
 # A family's folder and its lines here are all that adding one takes.
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -31,6 +32,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     LLAMA,
     GEMMA3,
     OLMO2,
+    OLMO3,
 )}
 
 

@@ -29,6 +29,10 @@ and tokenizer_config.json have the structure the real ones have.
   `<|endoftext|>` and `<|pad|>`, and OLMo's Tulu-style chat template.
 - OLMo 3: `Olmo3ForCausalLM`, OLMo 2's block with a sliding (window of 8) and a full layer,
   rotary settings per kind of layer, OLMo 2's tokenizer.
+- Phi-3: `Phi3ForCausalLM` with its fused projections, a sliding window on every layer,
+  untied, as microsoft/Phi-3-mini-4k-instruct; the Llama 2 style SentencePiece tokenizer with
+  Phi-3's chat tokens added (<|end|>, <|user|>, ...), several end ids, Phi-3's template.
+  Phi-4-mini: a partial rotary embedding (0.75), tied, a GPT-2 class tokenizer.
 
 tokenizer_config.json names the class the real files name (PreTrainedTokenizerFast,
 Qwen2Tokenizer, LlamaTokenizer, GPT2Tokenizer). What the tests compare with is transformers'
@@ -150,6 +154,13 @@ OLMO_TEMPLATE = (
     "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
     "{% endfor %}")
 
+# Phi-3's turns, written here: each message ended by <|end|>.
+PHI3_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"]
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + "
+    "'<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}"
+    "{% else %}{{ eos_token }}{% endif %}")
+
 CHAT_SYSTEM = "You are a storyteller for small children."
 CHAT_MESSAGE = "Tell me a story about a cat named Tom."
 CHAT_TOKENS = 24  # new tokens a chat may take; the instruct models stop before (`make_it_stop`)
@@ -243,6 +254,25 @@ def olmo_tokenizer() -> transformers.PreTrainedTokenizerBase:
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
         pad_token="<|pad|>", unk_token=None, model_max_length=128)
+
+
+def phi3_tokenizer(work: Path) -> transformers.PreTrainedTokenizerBase:
+    """Phi-3's layout: Llama 2's SentencePiece tokenizer (adding <s>) with its chat tokens
+    after the pieces, special."""
+    tok = sentencepiece_tokenizer(work)
+    tok.add_special_tokens({"eos_token": "<|endoftext|>",
+                            "additional_special_tokens": PHI3_SPECIALS[1:]})
+    return tok
+
+
+def phi4_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    """Phi-4-mini's layout: byte-level BPE ranks (o200k's split is cl100k's but for CJK and
+    contractions: TinyStories has neither), Phi's chat tokens after them, nothing added."""
+    tok = TikTokenConverter(vocab_file=str(SHIPPED_DIR / "tinystories-4k.tiktoken"),
+                            pattern=LLAMA3_SPLIT, extra_special_tokens=PHI3_SPECIALS).converted()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>", unk_token=None, model_max_length=128)
 
 
 def smollm2_tokenizer(*, instruct: bool) -> transformers.PreTrainedTokenizerBase:
@@ -385,6 +415,20 @@ FAMILIES = {
                          tie_word_embeddings=False, pad_token_id=4096),
                     eos=("<|endoftext|>",), bos=None, vocab_multiple=64,
                     tokenizer_class="GPT2Tokenizer"),
+    "phi3": Family(phi3_tokenizer, transformers.Phi3ForCausalLM, transformers.Phi3Config,
+                   dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                         "partial_rotary_factor": 1.0},
+                        sliding_window=8, tie_word_embeddings=False, pad_token_id=500),
+                   eos=("<|endoftext|>", "<|assistant|>", "<|end|>"), bos="<s>",
+                   vocab_multiple=64, template=PHI3_TEMPLATE, stop="<|end|>",
+                   tokenizer_class="LlamaTokenizer"),
+    "phi4-mini": Family(lambda w: phi4_tokenizer(), transformers.Phi3ForCausalLM,
+                        transformers.Phi3Config,
+                        dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.75},
+                             tie_word_embeddings=True, pad_token_id=4095),
+                        eos=("<|endoftext|>", "<|end|>"), bos="<|endoftext|>",
+                        tokenizer_class="GPT2Tokenizer"),
 }
 
 

@@ -62,6 +62,7 @@ EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
                "olmo2": "Olmo2ForCausalLM",
                "olmo3": "Olmo3ForCausalLM",
+               "phi3": "Phi3ForCausalLM", "phi4": "Phi3ForCausalLM",
                }
 
 
@@ -154,7 +155,7 @@ def test_family_imports_generates_and_exports_as_transformers_does(family, prese
     bos = ck.tokenizer.convert_tokens_to_ids(ck.family.bos) if ck.family.bos else None
     adds_bos = bos is not None and auto("a")["input_ids"][:1] == [bos]
     assert ours_tok.bos_token == (bos if adds_bos else None)
-    assert adds_bos == family.startswith(("llama3", "llama2", "mistral", "gemma3"))
+    assert adds_bos == family.startswith(("llama3", "llama2", "mistral", "gemma3", "phi3"))
     assert_same_tokenizer(ours_tok, auto, ck)
 
     # the export: transformers loads it and computes, encodes and stops as the original did
@@ -271,6 +272,10 @@ IMPORT_REFUSALS = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
         "full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0,
                            "original_max_position_embeddings": 64}}), 'rope_type "yarn"'),
+    # the 128k Phi-3 models' LongRoPE: not yet
+    "longrope": ("phi3", lambda d: _edit(d / "config.json", rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 1.0,
+        "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}), "LongRoPE"),
     # Gemma 3's special token past the rows imports (below); an ordinary one does not
     "ordinary-past-rows": ("gemma3", lambda d: _not_special(d, "<image_soft_token>"),
                            "'<image_soft_token>' (id 501) is ordinary text past the embedding "

@@ -71,7 +71,8 @@ def zoo_cases():
     `fsdp_tp` in the default run.
     OLMo 3 (OLMo 2's block with windows, which gemma3-tiny checks under `fsdp_tp`) runs under
     `fsdp`: under `fsdp_tp` one of its weights, whose gradient is within float noise of zero
-    (7e-9, Adam's eps), moves 13% of a step apart, more than the tenth allowed such weights."""
+    (7e-9, Adam's eps), moves 13% of a step apart, more than the tenth allowed such weights.
+    Phi-3 (its partial rotary embedding) runs under `fsdp_tp`."""
     pairs = [("minigpt-tiny", name) for name in sharding.available_presets()
              if not sharding.load_preset(name).mesh_axes_of("layers")]
     pairs += [("gpt2-tiny", "fsdp_tp"), ("llama-tiny", "fsdp_tp")]
@@ -82,6 +83,7 @@ def zoo_cases():
     pairs += [("olmo2-tiny", "fsdp_tp")]
     quick += [("olmo2-tiny", "fsdp_tp")]
     pairs += [("olmo3-tiny", "fsdp")]
+    pairs += [("phi3-tiny", "fsdp_tp")]
     for model_name, name in pairs:
         slow = (model_name, name) not in quick
         yield pytest.param(model_name, name, marks=[pytest.mark.slow] if slow else [])

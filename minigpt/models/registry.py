@@ -24,6 +24,7 @@ from minigpt.models.llama import FAMILY as LLAMA
 from minigpt.models.minigpt import FAMILY as MINIGPT
 from minigpt.models.olmo2 import FAMILY as OLMO2
 from minigpt.models.olmo3 import FAMILY as OLMO3
+from minigpt.models.phi3 import FAMILY as PHI3
 
 # A family's folder and its lines here are all that adding one takes.
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -33,6 +34,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     GEMMA3,
     OLMO2,
     OLMO3,
+    PHI3,
 )}
 
 

@@ -41,7 +41,6 @@ _PUBLIC = {
     "UserError": "minigpt.errors",
     "load_preset": "minigpt.sharding",
     "make_mesh": "minigpt.sharding",
-    "use_preset": "minigpt.sharding",
     "create_sharded": "minigpt.sharding",
     "load_run": "minigpt.runs",
     "LoadedRun": "minigpt.runs",

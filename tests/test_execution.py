@@ -68,15 +68,13 @@ def test_a_run_resolves_its_settings_once_and_records_both():
     assert resolved.warmup_steps(budgeted, horizon=10**6) == 100
 
 
-def test_the_layout_is_one_value_and_the_old_spelling_still_works():
+def test_the_layout_is_one_value():
     layout = sharding.Layout.make("dp_tp")
     assert (layout.name, dict(layout.mesh.shape)) == ("dp_tp", {"data": 4, "model": 2})
     assert layout.batch_divisor == 4 and layout.stages == 1
     with layout.active():
         assert sharding.active().rules == layout.rules
-    with pytest.warns(DeprecationWarning, match=r"use_preset\(preset, mesh\) is deprecated"):
-        with sharding.use_preset(layout.preset, layout.mesh):
-            assert sharding.active().rules == layout.rules
+    assert not hasattr(sharding, "use_preset")  # the spelling before layouts is gone
     with pytest.raises(TypeError, match="takes a Layout"):
         sharding.create_sharded(lambda: None, "dp")
 

@@ -18,7 +18,6 @@ import socket
 import threading
 from pathlib import Path
 
-from minigpt import sharding
 from minigpt.decoding import Engine
 from minigpt.decoding.engine import TARGET_CALL_SECONDS
 from minigpt.errors import UserError
@@ -53,10 +52,7 @@ def check_exposure(host: str, api_key: str | None) -> None:
 
 def run_context(run):
     """The context the run's model runs in: its layout (mesh, rules, settings)."""
-    layout = getattr(run, "layout", None)
-    if layout is not None:
-        return layout.active()
-    return sharding.use_preset(run.preset, run.mesh)  # before runs carried one Layout
+    return run.layout.active()
 
 
 def check_port(port: int) -> None:

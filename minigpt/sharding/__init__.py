@@ -39,7 +39,6 @@ from minigpt.sharding.layout import (
     pipeline_axis,
     put_batch,
     sequence_axis,
-    use_preset,
 )
 from minigpt.sharding.presets import (
     LOGICAL_AXES,
@@ -73,5 +72,5 @@ __all__ = ["LOGICAL_AXES", "PRESETS_DIR", "Context", "ContextParallel", "Experts
            "create_sharded", "default_microbatches", "degenerate_note", "describe", "jit",
            "lay_out", "load_preset", "logical_to_spec", "make_mesh", "mesh_axes_in",
            "pipeline_axis", "put_batch", "replicated_by_shape", "resolve_mesh_shape",
-           "resolve_spec", "running", "sequence_axis", "state_shardings", "use_preset",
+           "resolve_spec", "running", "sequence_axis", "state_shardings",
            "varying_as", "ways", "without_axis"]

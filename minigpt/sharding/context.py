@@ -44,7 +44,7 @@ _active: contextvars.ContextVar[Context] = contextvars.ContextVar("minigpt", def
 
 
 def active() -> Context:
-    """The context model code runs in (outside `use_preset`: no rules, defaults)."""
+    """The context model code runs in (outside a layout's `active()`: no rules, defaults)."""
     return _active.get()
 
 

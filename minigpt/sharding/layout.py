@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,28 +255,3 @@ def sequence_axis(rules: Rules | None = None) -> str | None:
     if len(axes) > 1:
         raise PresetError(f"context parallelism needs `seq` on one mesh axis, not {axes}")
     return axes[0] if axes else None
-
-
-def as_layout(layout: Layout | Preset, mesh=None, *, where: str) -> Layout:
-    """A Layout from what a caller gave: a Layout as it is, or (the spelling before layouts)
-    a preset and a mesh, with a DeprecationWarning naming `where`."""
-    if isinstance(layout, Layout):
-        return layout
-    if isinstance(layout, Preset) and mesh is not None:
-        warnings.warn(f"{where}(preset, mesh) is deprecated: pass one Layout "
-                      f"(minigpt.sharding.Layout.make(preset), or run.layout)",
-                      DeprecationWarning, stacklevel=3)
-        return Layout(layout, mesh)
-    raise TypeError(f"{where} takes a Layout (minigpt.sharding.Layout.make(preset)), not "
-                    f"{type(layout).__name__}")
-
-
-def use_preset(layout: Layout | Preset, mesh=None, pipeline: Pipeline | None = None, *,
-               context_parallel: ContextParallel | None = None,
-               experts: Experts | None = None):
-    """Enter a layout (`layout.active()`). The earlier spelling, `use_preset(preset, mesh,
-    ...)`, still works, with a DeprecationWarning."""
-    layout = as_layout(layout, mesh, where="use_preset")
-    changes = {k: v for k, v in (("pipeline", pipeline), ("context_parallel", context_parallel),
-                                 ("experts", experts)) if v is not None}
-    return layout.replace(**changes).active()

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from minigpt.sharding.layout import Layout, as_layout, experts_undivided
+from minigpt.sharding.layout import Layout, experts_undivided
 from minigpt.sharding.presets import PresetError, mesh_axes_in, resolve_mesh_shape, ways
 
 
@@ -79,15 +79,16 @@ def _laid_out(build: Callable[[], Any], layout: Layout):
     return graphdef, abstract_state, state_shardings(layout, abstract_state)
 
 
-def create_sharded(build: Callable[[], Any], layout: Layout, mesh=None) -> Any:
+def create_sharded(build: Callable[[], Any], layout: Layout) -> Any:
     """Create the NNX objects `build` returns with every array born on its own devices.
 
     `build` runs twice: once abstractly (shapes only) to learn each array's sharding and check
     that the preset applies, then compiled with those output shardings, so no full copy of any
-    parameter ever sits on one device. (`create_sharded(build, preset, mesh)`, the spelling
-    before layouts, still works, with a DeprecationWarning.)
+    parameter ever sits on one device.
     """
-    layout = as_layout(layout, mesh, where="create_sharded")
+    if not isinstance(layout, Layout):
+        raise TypeError(f"create_sharded takes a Layout (minigpt.sharding.Layout.make(preset)), "
+                        f"not {type(layout).__name__}")
     graphdef, abstract_state, shardings = _laid_out(build, layout)
     with layout.active():
         state = jax.jit(lambda: nnx.split(build())[1], out_shardings=shardings)()

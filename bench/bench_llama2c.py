@@ -133,9 +133,12 @@ def minigpt_contender(cfg, tokens):
     return run
 
 
-CONTENDERS = {  # name: (framework, tied output head, torch.compile, bfloat16 autocast)
+# name: (framework, tied output head, torch.compile, bfloat16 products: the peer's autocast,
+# minigpt's model.dtype=bfloat16, bfloat16 operands accumulated in float32 on a CPU)
+CONTENDERS = {
     "minigpt (llama-cpu: untied head)": ("minigpt", False, False, False),
     "minigpt (tied, as llama2.c)": ("minigpt", True, False, False),
+    "minigpt (tied, bfloat16 products)": ("minigpt", True, False, True),
     "llama2.c, PyTorch eager": ("torch", True, False, False),
     "llama2.c, torch.compile": ("torch", True, True, False),
     "llama2.c, torch.compile, bfloat16 autocast": ("torch", True, True, True),
@@ -156,7 +159,8 @@ def contender_process(name: str, conn) -> None:
     tokens = np.random.default_rng(0).integers(0, VOCAB, (BATCH, cfg.context_len + 1))
     tokens = tokens.astype(np.int32)
     if framework == "minigpt":
-        run = minigpt_contender(dataclasses.replace(cfg, tie_embeddings=tied), tokens)
+        run = minigpt_contender(dataclasses.replace(
+            cfg, tie_embeddings=tied, dtype="bfloat16" if autocast else "float32"), tokens)
     else:
         run = torch_contender(load_peer(), cfg, tokens, compiled=compiled, autocast=autocast)
     start = time.perf_counter()
@@ -231,8 +235,9 @@ def main() -> None:
         "minigpt beside llama2.c at its own shape: training tokens/s, one CPU device",
         [f"shape: width {cfg.embed_dim}, {cfg.num_layers} layers, {cfg.num_heads} heads, "
          f"SwiGLU {cfg.mlp_dim}, vocabulary {VOCAB}, context {cfg.context_len}, batch {BATCH}; "
-         "float32 (the autocast peer: bfloat16 products); AdamW (decay 0.1 on matrices), "
-         "clipping at 1.0",
+         "float32, or bfloat16 products (the peer: torch.autocast; minigpt: model.dtype "
+         "bfloat16, bfloat16 operands with float32 accumulation and float32 activations); "
+         "AdamW (decay 0.1 on matrices), clipping at 1.0",
          f"llama2.c: its model.py (commit 350e04f, from {PEER} in {peers_dir()}) stepped as "
          f"its train.py does; {about['torch']}",
          f"minigpt: `steps.train_step` (compiled once), {about['minigpt']}",

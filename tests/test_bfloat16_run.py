@@ -29,7 +29,9 @@ def test_a_bfloat16_run_trains_resumes_exactly_and_keeps_float32_weights(data_di
                          save_every=2, log_every=1)
     half = dataclasses.replace(config, out=str(tmp_path / "halves"), steps=2)
     train.train(BF16, half, sample=False)
-    assert "computing in bfloat16; MFU against" in capsys.readouterr().out
+    # on a CPU bfloat16 means bfloat16 operands, float32 accumulation and activations
+    assert ("computing in float32 with bfloat16 products (their operands; float32 "
+            "accumulation); MFU against") in capsys.readouterr().out
     train.train(BF16, dataclasses.replace(half, steps=4), resume=True, sample=False)
     resumed = losses(tmp_path / "halves")
     assert resumed == straight(BF16, config) and all(map(math.isfinite, resumed))

@@ -37,6 +37,8 @@ def test_model_config_refuses_what_cannot_build(changes, message):
     (dict(lr=0.0), "train.lr must be > 0"),
     (dict(seq_len=-1), "train.seq_len must be >= 0"),
     (dict(profile_steps="5:2"), "must satisfy 0 <= a < b"),
+    (dict(reward_weights=(float("nan"),)), "train.reward_weights must be a list of finite"),
+    (dict(rewards=("r.py:f",)), "--reward (train.rewards) scores GRPO's completions"),
 ])
 def test_train_config_refuses_bad_values(changes, message):
     with pytest.raises(ConfigError) as e:

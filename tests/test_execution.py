@@ -5,6 +5,7 @@ keeps of what was resolved."""
 
 import dataclasses
 import os
+import re
 
 import jax
 import pytest
@@ -119,3 +120,68 @@ def test_remat_auto_is_the_first_policy_the_planner_finds_fitting_and_a_misfit_i
         assert plan.preflight(model_cfg, train_cfg, layout, enforce=False,
                               say=said.append).remat == "full"
     assert said and said[0].startswith("warning: preset dp needs about")
+
+
+def test_a_cpu_runs_auto_dtype_takes_bfloat16_operands_where_they_measure_faster(monkeypatch):
+    """`model.dtype` auto on a CPU: bfloat16 operands (float32 accumulation, float32 elsewhere)
+    where this machine's bfloat16 products measure at least 1.5x its float32 ones, float32
+    otherwise, and the run says which and why; given dtypes are kept."""
+    cfg, train_cfg, layout = get_config("llama-tiny"), TrainConfig(), sharding.Layout.make("dp")
+    for speedup, dtype in (("4.2", "bfloat16"), ("1.4", "float32")):
+        monkeypatch.setenv("MINIGPT_BFLOAT16_SPEEDUP", speedup)
+        settled = resolved.resolve(cfg, train_cfg, layout, platform="cpu")
+        assert settled.model.dtype == dtype
+        assert settled.dtype_reason.startswith(f"auto: bfloat16 products run {speedup}x")
+    forced = resolved.resolve(dataclasses.replace(cfg, dtype="float32"), train_cfg, layout,
+                              platform="cpu")
+    assert (forced.model.dtype, forced.dtype_reason) == ("float32", "")
+    assert resolved.training_dtype("auto", "gpu") == ("bfloat16", "")  # accelerators: as before
+    # what a CPU's bfloat16 means: float32 activations, bfloat16 operands
+    assert (execution.compute_dtype("bfloat16", "cpu"), execution.operand_dtype(
+        "bfloat16", "cpu")) == ("float32", "bfloat16")
+    assert execution.compute_dtype("bfloat16", "gpu") == "bfloat16"
+
+
+def _dots(hlo: str) -> list[tuple[str, str, str]]:
+    """(result dtype, operand dtypes) of every dot in optimised HLO text."""
+    found, types = [], {}
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and "->" in line:  # a computation starts
+            types = {}
+        defined = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[", line)
+        if defined:
+            types[defined.group(1)] = defined.group(2)
+            dot = re.search(r"\bdot\(%([\w.\-]+), %([\w.\-]+)\)", line)
+            if dot:
+                found.append((defined.group(2), types.get(dot.group(1)),
+                              types.get(dot.group(2))))
+    return found
+
+
+def test_a_cpu_bfloat16_step_has_no_product_with_bfloat16_outputs():
+    """A CPU's bfloat16 training step (loss and gradients, compiled): its projections,
+    attention and gated layer multiply bfloat16 operands into float32, and no product gives
+    bfloat16, which runs below float32 there (bench/RESULTS.md, 2026-12-02)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from minigpt.models import build_model, replaced
+    from minigpt.optim import steps
+
+    cfg = replaced(get_config("llama-tiny"), dtype="bfloat16", vocab_size=512,
+                   tokenizer="tinystories-4k")
+    graphdef, state = nnx.split(build_model(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 129)), jnp.int32)
+
+    def grads(state, batch):
+        model = nnx.merge(graphdef, state)
+        return steps.loss_and_grads(model, steps.loss_batch(batch), None, 1)[1]
+
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    dots = _dots(jax.jit(grads).lower(state, batch).compile().as_text())
+    assert not [d for d in dots if d[0] == "bf16"]
+    mixed = [d for d in dots if d == ("f32", "bf16", "bf16")]
+    # the scanned block's four projections and two attention products forward, its gated
+    # layer's two forward and four backward, the attention's four backward, and the head's
+    assert len(mixed) >= 17, dots

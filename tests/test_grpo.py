@@ -36,6 +36,9 @@ def answer_said(prompts, completions, answer, completion_ids, trainer_state, **k
 def raises(prompts, completions, **kwargs):
     raise KeyError("score")
 
+def exits(prompts, completions, **kwargs):
+    raise SystemExit(0)
+
 def hangs(prompts, completions, **kwargs):
     time.sleep(30)
 
@@ -115,6 +118,7 @@ BAD_REWARDS = {
     "no-file": ("nowhere.py:count_e", "nowhere.py does not exist"),
     "no-function": ("{rewards}:missing", "defines no function 'missing'"),
     "raises": ("{rewards}:raises", "raised KeyError: 'score'"),
+    "exits": ("{rewards}:exits", "raised SystemExit: 0"),
     "wrong-count": ("{rewards}:too_few", "returned 1 rewards for 8 completions"),
     "a-string": ("{rewards}:not_a_number", "returned '1' for completion 0"),
     "nan": ("{rewards}:nan", "returned nan for completion 0"),

@@ -193,6 +193,10 @@ class TrainConfig:
         for name in ("num_generations", "max_completion_length", "num_iterations"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.rewards and self.objective != "grpo":
+            raise ConfigError(f"--reward (train.rewards) scores GRPO's completions: drop it, or "
+                              f"give --objective grpo (this run's objective is "
+                              f"{self.objective})")
         if self.objective == "grpo" and self.num_generations < 2:
             raise ConfigError("train.num_generations must be at least 2: advantages compare "
                               "a prompt's completions with each other")

@@ -28,8 +28,10 @@ def check_value(where: str, annotation: Any, value: Any) -> None:
     if typing.get_origin(annotation) is tuple:
         item = typing.get_args(annotation)[0]
         ok = isinstance(value, tuple) and all(
-            isinstance(v, item) and not isinstance(v, bool) for v in value)
-        kind = "a list of strings" if item is str else "a list of integers"
+            isinstance(v, item) and not isinstance(v, bool)
+            and (item is not float or math.isfinite(v)) for v in value)
+        kind = {str: "a list of strings", float: "a list of finite numbers"}.get(
+            item, "a list of integers")
     elif annotation is bool:
         ok, kind = isinstance(value, bool), "true or false"
     elif annotation is int:

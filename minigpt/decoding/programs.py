@@ -187,8 +187,9 @@ def cache_dtype(model: DecoderLM):
 
 
 def compute_dtypes(model: nnx.Module) -> dict[tuple, Any]:
-    """The dtype each `Dense` and `Embedding` layer computes in, by its parameters' paths."""
-    return {(*path, name): layer.dtype for path, layer in nnx.iter_graph(model)
+    """The dtype each `Dense` and `Embedding` layer casts its weights to (its products'
+    operands), by its parameters' paths."""
+    return {(*path, name): layer.operands for path, layer in nnx.iter_graph(model)
             if isinstance(layer, Dense | Embedding) for name in ("kernel", "bias", "table")}
 
 
@@ -203,8 +204,8 @@ def in_compute_dtypes(model: nnx.Module, weights: nnx.State) -> nnx.State:
     each token. Other parameters (norms' scales and biases, which the norms use in float32;
     adapters) are left as they are. The casts run as one program.
     """
-    if execution.compute_dtype(model.config.dtype) == "float32":
-        return weights  # parameters are float32, and so is what every layer computes in
+    if execution.operand_dtype(model.config.dtype) == "float32":
+        return weights  # parameters are float32, and so is what every product takes
     dtypes = compute_dtypes(model)
     flat = list(nnx.to_flat_state(weights))
     todo = [(i, jnp.dtype(dtypes[path]).name) for i, (path, variable) in enumerate(flat)

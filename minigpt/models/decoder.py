@@ -176,7 +176,9 @@ def _with_own_kernels(method):
     resolved once per model, not in every layer."""
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        with sharding.running(kernels=self.config.kernels), fp8.running(self.config):
+        with sharding.running(kernels=self.config.kernels,
+                              operands=execution.operand_dtype(self.config.dtype)), \
+                fp8.running(self.config):
             return method(self, *args, **kwargs)
 
     return wrapped

@@ -5,9 +5,14 @@ A `ModelConfig` says what a model is and, in four fields, how it runs: `dtype`, 
 resolves for the backend the model is built on; `build_model` builds from the result, so the
 layers read concrete values and never ask which backend runs. The rules, and what they rest on:
 
-- dtype: float32 on a CPU (bfloat16 matmuls are no faster there), bfloat16 on an accelerator,
-  whose matrix units run it at twice float32's rate or more; parameters and optimizer state
-  stay float32 either way.
+- dtype: float32 on a CPU, bfloat16 on an accelerator, whose matrix units run it at twice
+  float32's rate or more; parameters and optimizer state stay float32 either way. On a CPU,
+  "bfloat16" means bfloat16 operands with float32 accumulation and float32 everywhere else
+  (`operand_dtype`; activations, norms, softmax and loss in float32, `compute_dtype`): its
+  bfloat16 products with float32 outputs run 3-6x float32's at the stories shape where
+  bfloat16 outputs run below float32's, and bfloat16 elementwise work is slower than float32's
+  (bench/RESULTS.md, 2026-12-02: the stories step 1.3x float32's this way, 1.08x with
+  bfloat16 activations).
 - kernels: the CPU-tuned set on a CPU, cuDNN's flash attention on GPUs, Splash on TPUs, the
   plain reference elsewhere (`minigpt.models.kernels`).
 - scan_layers: scanned on a CPU, where a scan compiles fastest and the tutorial's shapes step
@@ -40,11 +45,25 @@ def backend(platform: str | None = None) -> str:
     return platform or jax.default_backend()
 
 
-def compute_dtype(choice: str, platform: str | None = None) -> str:
-    """The dtype a `ModelConfig.dtype` value computes in on `platform` (default: here)."""
+def resolved_dtype(choice: str, platform: str | None = None) -> str:
+    """A `ModelConfig.dtype` value on `platform` (default: here), "auto" made concrete."""
     if choice == "auto":
         return "float32" if backend(platform) == "cpu" else "bfloat16"
     return choice
+
+
+def compute_dtype(choice: str, platform: str | None = None) -> str:
+    """The dtype a `ModelConfig.dtype` value computes in on `platform` (default: here): its
+    activations, and what its products give. A CPU's bfloat16 computes in float32, its
+    products taking bfloat16 operands (`operand_dtype`)."""
+    dtype = resolved_dtype(choice, platform)
+    return "float32" if dtype == "bfloat16" and backend(platform) == "cpu" else dtype
+
+
+def operand_dtype(choice: str, platform: str | None = None) -> str:
+    """The dtype the products of a model with this `ModelConfig.dtype` take their operands in,
+    accumulating in `compute_dtype`."""
+    return resolved_dtype(choice, platform)
 
 
 def kernel_set(choice: str, platform: str | None = None) -> str:
@@ -68,7 +87,7 @@ def for_backend(cfg: ModelConfig, platform: str | None = None, *,
     policy = cfg.remat_policy
     if policy == "auto":
         policy = remat or "none"
-    return dataclasses.replace(cfg, dtype=compute_dtype(cfg.dtype, platform),
+    return dataclasses.replace(cfg, dtype=resolved_dtype(cfg.dtype, platform),
                                kernels=kernel_set(cfg.kernels, platform),
                                scan_layers=scanned(cfg.scan_layers, platform), remat=policy)
 

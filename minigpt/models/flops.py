@@ -69,10 +69,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def measure_matmul_peak(dtype: str = "float32", size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s one device reaches on a large square matmul: the best of `repeats` runs."""
+    """FLOP/s one device reaches on a large square matmul: the best of `repeats` runs.
+    bfloat16 operands accumulate in float32, as a model's products take them (`operand_dtype`
+    in minigpt.models.execution)."""
     device = jax.devices()[0]
     a = jax.device_put(jnp.ones((size, size), dtype), device)
-    matmul = jax.jit(lambda x, y: x @ y)
+    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
     matmul(a, a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -129,6 +131,28 @@ def machine_key(kind: str, dtype: str) -> str:
     return f"{cpu} ({os.cpu_count()} cores) | {kind} x{jax.device_count()} | {dtype}"
 
 
+# The speedup of bfloat16 products over float32 ones at which a CPU run's `model.dtype` auto
+# takes bfloat16 operands (minigpt.runs.resolved).
+BFLOAT16_PAYS = 1.5
+
+
+def bfloat16_speedup() -> tuple[float, str]:
+    """How much faster this machine's products run with bfloat16 operands (float32
+    accumulation) than in float32, and where the figure comes from: the two peaks of one
+    device (`device_peak`), each measured once and kept; MINIGPT_BFLOAT16_SPEEDUP, where set,
+    instead (how the tests keep float32 runs, and a machine whose measurement misleads can
+    be told)."""
+    given = os.environ.get("MINIGPT_BFLOAT16_SPEEDUP")
+    if given:
+        try:
+            return float(given), "MINIGPT_BFLOAT16_SPEEDUP"
+        except ValueError:
+            warnings.warn(f"MINIGPT_BFLOAT16_SPEEDUP={given!r} is not a number: measured "
+                          f"instead", stacklevel=2)
+    ratio = device_peak("bfloat16").flops / device_peak("float32").flops
+    return ratio, "the matmul peaks measured on this machine"
+
+
 def _read_peaks() -> dict[str, float]:
     try:
         peaks = json.loads(peaks_file().read_text())
@@ -153,7 +177,8 @@ def device_peak(dtype: str = "float32") -> Peak:
     for name, peaks in KNOWN_PEAKS.items():
         if kind.startswith(name):
             return Peak(peaks[dtype], f"{kind} data sheet")
-    key = machine_key(kind, dtype)
+    # bfloat16 products accumulate in float32 (measured so since 2026-12-02: a key of its own)
+    key = machine_key(kind, "bfloat16 operands" if dtype == "bfloat16" else dtype)
     kept = _read_peaks().get(key)
     if isinstance(kept, int | float) and kept > 0:
         return Peak(float(kept), f"{kind}: {dtype} matmul measured on this machine, kept in "

@@ -2,39 +2,30 @@
 
 Six operations of a train step are written twice. `ReferenceKernels` is the plain form a reader
 recognises (`jax.nn`, `optax`, autodiff does the rest) and what accelerators run. `CpuKernels`
-is tuned for XLA's CPU backend, where profiles of the step showed costs plain code pays:
-
-- row sums (every bias and norm-scale gradient) run about 100x slower than the equivalent
-  product with a vector of ones, so those gradients are written out as such products;
-- full causal attention materialises [B, N, T, T] scores; attending block by block skips the
-  blocks above the diagonal and keeps each block's scores in cache (2-3x faster), and its
-  written-out backward pass avoids the softmax's long row sums;
-- SwiGLU's gated layer, left to autodiff, wrote its hidden gradient transposed for the weight
-  gradients, a strided copy dearer than the matmuls at a small width;
-- the cross-entropy over a 50k vocabulary dominates a small model's step; a fused, chunked pass
-  (`minigpt.models.loss.fused_cross_entropy`) never stores the [B, T, V] logits and forms each
-  chunk's gradient while its logits are at hand;
-- a mixture of experts' grouped products: XLA's CPU backend runs `jax.lax.ragged_dot` as one
-  product of every row with every expert's weights, the other experts' rows masked (E times the
-  work); rows laid out in blocks of one expert each, run by a loop of small products
-  (`minigpt.models.grouped`), cost about what the routed rows need.
+is tuned for XLA's CPU backend, where profiles of the step showed costs plain code pays: row
+sums (bias and norm-scale gradients) ran 100x slower than products with a vector of ones, so
+they are such products; full causal attention materialised [B, N, T, T] scores, where attending
+a block of queries at a time skips the blocks above the diagonal and stays in cache (2-3x), with
+a written-out backward pass free of the softmax's long row sums; SwiGLU's gated layer, left to
+autodiff, wrote its hidden gradient transposed, a strided copy dearer than its matmuls; the
+cross-entropy over a 50k vocabulary dominated a small model's step, so a fused, chunked pass
+(`minigpt.models.loss.fused_cross_entropy`) never stores the [B, T, V] logits; and XLA ran a
+mixture of experts' `jax.lax.ragged_dot` as every row times every expert (E times the work),
+where blocks of one expert's rows (`minigpt.models.grouped`) cost what the routed rows need.
 
 On accelerators attention is the one operation worth a kernel of its own: `FusedKernels` are
 the plain forms with attention (training's, and prompts run into the cache) through the flash
-kernels JAX ships (`minigpt.models.attention`): cuDNN's on NVIDIA GPUs ("cudnn"), the Splash
-Pallas kernel on TPUs ("splash"). Where a kernel refuses a call (a float32 run on cuDNN, a sequence
-that does not cut into Splash's blocks, a backend without the kernel) XLA's attention runs
-instead and the reason is said once, as a warning (`FALLBACKS` keeps them).
+kernels JAX ships (`minigpt.models.attention`): cuDNN's on NVIDIA GPUs ("cudnn"), Splash on
+TPUs ("splash"). Where a kernel refuses a call (float32 on cuDNN, a sequence that does not cut
+into Splash's blocks, another backend) XLA's attention runs, the reason said once (`FALLBACKS`).
 
-`ModelConfig.kernels` chooses: "reference", "cpu", "cudnn", "splash", or "auto" (the default:
-"cpu" on the CPU backend, "cudnn" on GPUs, "splash" on TPUs, "reference" elsewhere); and
-`ModelConfig.dtype` "auto" (the default) computes in float32 on a CPU and in bfloat16 on an
-accelerator (`compute_dtype`). A model puts its kernel choice in the context its code runs in
-(`minigpt.sharding.running`) and its layers ask `active()`. Which backend is running is
-`minigpt.models.execution`'s to say, the one place that asks. Every set computes the same
-function; the tests compare losses and every gradient of them on each architecture, so the
-accelerator paths are checked on a CPU too (the fused ones through their fallback, Splash in
-Pallas' interpreter).
+`ModelConfig.kernels` chooses ("auto": "cpu" on the CPU backend, "cudnn" on GPUs, "splash" on
+TPUs, "reference" elsewhere), a model puts its choice in the context its code runs in
+(`minigpt.sharding.running`) and its layers ask `active()`; `ModelConfig.dtype` says what they
+compute in (`minigpt.models.execution`: on a CPU, bfloat16 means bfloat16 operands accumulated
+in float32, `matmul`). Every set computes the same function; the tests compare losses and
+every gradient on each architecture, the accelerator paths on a CPU too (the fused ones
+through their fallback, Splash in Pallas' interpreter).
 """
 
 from __future__ import annotations
@@ -49,7 +40,7 @@ from flax import nnx
 import minigpt.models.attention as attention
 import minigpt.models.execution as execution
 from minigpt import sharding
-from minigpt.models.execution import compute_dtype, kernel_set
+from minigpt.models.execution import compute_dtype, kernel_set, operand_dtype
 from minigpt.models.grouped import blocked_expert_ffn
 from minigpt.models.loss import cross_entropy, fused_cross_entropy
 from minigpt.models.masks import AttentionInputs
@@ -67,11 +58,14 @@ def get(choice: str) -> ReferenceKernels:
 
 
 def describe(kernels: str, dtype: str) -> str:
-    """What a model with these `kernels` and `dtype` settings runs here, for the run's log:
-    "kernels cudnn (auto: ...), computing in bfloat16 (auto)"."""
-    name = kernel_set(kernels)
+    """What a model with these settings runs here: "kernels cudnn (auto: ...), computing in
+    bfloat16 (auto)"."""
+    name, computes = kernel_set(kernels), compute_dtype(dtype)
+    products = operand_dtype(dtype)
+    how = computes if products == computes else (
+        f"{computes} with {products} products (their operands; float32 accumulation)")
     return (f"kernels {name} ({'auto: ' if kernels == 'auto' else ''}{_KERNELS[name].about}), "
-            f"computing in {compute_dtype(dtype)}{' (auto)' if dtype == 'auto' else ''}")
+            f"computing in {how}{' (auto)' if dtype == 'auto' else ''}")
 
 
 def active() -> ReferenceKernels:
@@ -108,11 +102,9 @@ class ReferenceKernels:
 
     def cached_attention(self, q: jax.Array, k: jax.Array, v: jax.Array,
                          mask: jax.Array) -> jax.Array:
-        """Attention of q [B, T, N, H] to a key/value cache [B, K, S, H] where the boolean
-        mask [B, 1, T, S] allows (the cached decode's: each row's keys up to its position).
-        Each KV head's positions lie together, so both products read the cache as it lies;
-        laid out [B, S, K, H] (`jax.nn`'s attention), XLA's CPU backend copied it whole at
-        every layer of every decode step (`stories-cpu`, 16 slots: 2.5 ms a step, now 1.5)."""
+        """Attention of q [B, T, N, H] to a key/value cache [B, K, S, H] where the mask
+        [B, 1, T, S] allows. The cache lies by KV head so both products read it as it lies
+        (laid out [B, S, K, H], it was copied whole at every layer of every decode step)."""
         B, T, N, H = q.shape
         q = q.reshape(B, T, k.shape[1], N // k.shape[1], H) * jnp.asarray(H ** -0.5, q.dtype)
         scores = jnp.einsum("btkgh,bksh->bkgts", q, k, preferred_element_type=jnp.float32)
@@ -123,7 +115,8 @@ class ReferenceKernels:
 
     def gated_activation(self, x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
         """SwiGLU's hidden layer: silu(x @ w_gate) * (x @ w_up), x [B, T, D], w [D, F]."""
-        return jax.nn.silu(_project(x, w_gate)) * _project(x, w_up)
+        ops = sharding.active().operands
+        return jax.nn.silu(_project(x, w_gate, ops)) * _project(x, w_up, ops)
 
     def cross_entropy(self, model: nnx.Module, x: jax.Array, targets: jax.Array,
                       weights: jax.Array | None = None) -> jax.Array:
@@ -141,16 +134,24 @@ class ReferenceKernels:
         return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [M, D]
 
 
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("btd,df->btf", x, w)
+def _project(x: jax.Array, w: jax.Array, operands: str) -> jax.Array:
+    return matmul("btd,df->btf", x, w, operands)
+
+
+def matmul(spec: str, a: jax.Array, b: jax.Array, operands: str) -> jax.Array:
+    """`jnp.einsum(spec, a, b)`, float32 operands cast to bfloat16 and accumulated in float32
+    where the products take bfloat16 (`operands`: the context's when the forward is traced;
+    a backward pass is traced after the model's context has gone)."""
+    if operands == "bfloat16" and a.dtype == b.dtype == jnp.float32:
+        return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b)
 
 
 class FusedKernels(ReferenceKernels):
-    """The plain forms, with attention through the fused kernel `kernel` ("cudnn" or "splash",
-    `minigpt.models.attention`) where it takes the call, and XLA's where it refuses, the reason
-    said once. Splash leaves the cached decode to XLA: its per-row masks (each row's own
-    length) have no block structure for the kernel to skip. A decode step (one query a row)
-    is XLA's on either: it reads the cache once, in its own layout."""
+    """The plain forms, with attention through the fused kernel `kernel` ("cudnn" or "splash")
+    where it takes the call. The cached decode is XLA's on Splash (its per-row masks have no
+    block structure to skip), and a decode step (one query a row) is XLA's on either."""
 
     def __init__(self, kernel: str, about: str):
         self.name = self.kernel = kernel
@@ -209,10 +210,10 @@ class CpuKernels(ReferenceKernels):
         T = q.shape[1]
         if T % ATTENTION_BLOCK or T == ATTENTION_BLOCK:
             return super().causal_attention(q, k, v, attn)
-        return _blocked_causal_attention(q, k, v, attn)
+        return _blocked_causal_attention(sharding.active().operands, q, k, v, attn)
 
     def gated_activation(self, x, w_gate, w_up):
-        return _gated_activation(x, w_gate, w_up)
+        return _gated_activation(sharding.active().operands, x, w_gate, w_up)
 
     def cross_entropy(self, model, x, targets, weights=None):
         return fused_cross_entropy(model, x, targets, weights)
@@ -297,31 +298,29 @@ _add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 ATTENTION_BLOCK = 64
 
 
-@jax.custom_vjp
-def _blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked_causal_attention(operands: str, q: jax.Array, k: jax.Array, v: jax.Array,
                               attn: AttentionInputs | None) -> jax.Array:
     """Causal attention one block of 64 queries at a time, each against the keys up to its end
-    (and, as `attn` says, of its own document and within its window), with the backward pass
-    written out. Left to autodiff, the softmax's backward summed dP * P over every key of every
-    block, which profiles showed costing more than the attention's matmuls at T = 256; the
-    written-out form takes that sum as dO . O over the head's features instead (as flash
-    attention does), a sum H long instead of T. A masked key has probability 0, so the backward
-    needs no mask of its own."""
-    return _blocked_attention_fwd(q, k, v, attn)[0]
+    (and, as `attn` says, of its own document and window), the backward pass written out: the
+    softmax's backward takes rowsum(dP * P), which autodiff summed over every key (dearer than
+    the matmuls at T = 256), as dO . O over the head's features (as flash attention does). A
+    masked key has probability 0, so the backward needs no mask of its own."""
+    return _blocked_attention_fwd(operands, q, k, v, attn)[0]
 
 
 def _query_blocks(T: int) -> list[tuple[int, int]]:
     return [(start, min(start + ATTENTION_BLOCK, T)) for start in range(0, T, ATTENTION_BLOCK)]
 
 
-def _blocked_attention_fwd(q, k, v, attn):
+def _blocked_attention_fwd(operands, q, k, v, attn):
     B, T, N, H = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4) * (H ** -0.5)  # [B, K, G, T, H]
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, H]
     blocks, probs = [], []
     for start, end in _query_blocks(T):
-        scores = jnp.einsum("bkgth,bksh->bkgts", q[:, :, :, start:end], k[:, :, :end])
+        scores = matmul("bkgth,bksh->bkgts", q[:, :, :, start:end], k[:, :, :end], operands)
         visible = jnp.arange(end)[None, :] <= jnp.arange(start, end)[:, None]  # [t, s]
         if attn is not None:  # [B, 1, 1, t, s]: and in the query's document and window
             part = AttentionInputs(attn.positions[:, start:end], None if attn.segment_ids is None
@@ -332,12 +331,12 @@ def _blocked_attention_fwd(q, k, v, attn):
                 visible = visible & allowed[:, :, None]
         scores = jnp.where(visible, scores.astype(jnp.float32), -jnp.inf)
         probs.append(jax.nn.softmax(scores, axis=-1).astype(v.dtype))
-        blocks.append(jnp.einsum("bkgts,bksh->bkgth", probs[-1], v[:, :, :end]))
+        blocks.append(matmul("bkgts,bksh->bkgth", probs[-1], v[:, :, :end], operands))
     out = jnp.concatenate(blocks, axis=3)  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H), (q, k, v, out, probs)
 
 
-def _blocked_attention_bwd(residuals, g):
+def _blocked_attention_bwd(operands, residuals, g):
     q, k, v, out, probs = residuals  # q scaled, [B, K, G, T, H]; k, v [B, K, S, H]
     B, K, G, T, H = q.shape
     g = g.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
@@ -346,11 +345,12 @@ def _blocked_attention_bwd(residuals, g):
     d_q, d_k, d_v = [], jnp.zeros_like(k), jnp.zeros_like(v)
     for (start, end), p in zip(_query_blocks(T), probs):
         g_block = g[:, :, :, start:end]
-        d_p = jnp.einsum("bkgth,bksh->bkgts", g_block, v[:, :, :end])
+        d_p = matmul("bkgth,bksh->bkgts", g_block, v[:, :, :end], operands)
         d_s = (p * (d_p - row[:, :, :, start:end])).astype(q.dtype)
-        d_q.append(jnp.einsum("bkgts,bksh->bkgth", d_s, k[:, :, :end]))
-        d_k = d_k.at[:, :, :end].add(jnp.einsum("bkgts,bkgth->bksh", d_s, q[:, :, :, start:end]))
-        d_v = d_v.at[:, :, :end].add(jnp.einsum("bkgts,bkgth->bksh", p, g_block))
+        d_q.append(matmul("bkgts,bksh->bkgth", d_s, k[:, :, :end], operands))
+        d_k = d_k.at[:, :, :end].add(
+            matmul("bkgts,bkgth->bksh", d_s, q[:, :, :, start:end], operands))
+        d_v = d_v.at[:, :, :end].add(matmul("bkgts,bkgth->bksh", p, g_block, operands))
     d_q = (jnp.concatenate(d_q, axis=3) * (H ** -0.5)).transpose(0, 3, 1, 2, 4)
     return (d_q.reshape(B, T, K * G, H), d_k.transpose(0, 2, 1, 3), d_v.transpose(0, 2, 1, 3),
             None)
@@ -362,31 +362,30 @@ _blocked_causal_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
 # SwiGLU's gated hidden layer ----------------------------------------------------------------
 
 
-@jax.custom_vjp
-def _gated_activation(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gated_activation(operands: str, x: jax.Array, w_gate: jax.Array,
+                      w_up: jax.Array) -> jax.Array:
     """ReferenceKernels.gated_activation with the backward pass written out. Left to autodiff,
-    XLA's CPU backend fused the silu's backward into a copy writing the hidden gradient
-    transposed, for the weight gradient's matmul, and that strided copy cost more than the
-    matmul (profile at width 128, F = 384); here the weight gradients are x^T-times products
-    of row-major gradients."""
-    return _gated_activation_fwd(x, w_gate, w_up)[0]
+    XLA fused the silu's backward into a copy writing the hidden gradient transposed, dearer
+    than the matmul (width 128, F = 384); here the weight gradients are x^T-times products."""
+    return _gated_activation_fwd(operands, x, w_gate, w_up)[0]
 
 
-def _gated_activation_fwd(x, w_gate, w_up):
-    gate, up = _project(x, w_gate), _project(x, w_up)
+def _gated_activation_fwd(operands, x, w_gate, w_up):
+    gate, up = _project(x, w_gate, operands), _project(x, w_up, operands)
     return jax.nn.silu(gate) * up, (x, w_gate, w_up, gate, up)
 
 
-def _gated_activation_bwd(residuals, g):
+def _gated_activation_bwd(operands, residuals, g):
     x, w_gate, w_up, gate, up = residuals
     sig = jax.nn.sigmoid(gate)
     d_up = g * gate * sig  # d/d up of silu(gate) * up
     d_gate = g * up * sig * (1 + gate * (1 - sig))  # silu'(z) = s(z) (1 + z (1 - s(z)))
     # x^T d over batch and positions together (not over flattened rows: see `_sum_rows`)
-    d_w_gate = jnp.einsum("btd,btf->df", x, d_gate).astype(w_gate.dtype)
-    d_w_up = jnp.einsum("btd,btf->df", x, d_up).astype(w_up.dtype)
-    d_x = (jnp.einsum("btf,df->btd", d_gate, w_gate)
-           + jnp.einsum("btf,df->btd", d_up, w_up)).astype(x.dtype)
+    d_w_gate = matmul("btd,btf->df", x, d_gate, operands).astype(w_gate.dtype)
+    d_w_up = matmul("btd,btf->df", x, d_up, operands).astype(w_up.dtype)
+    d_x = (matmul("btf,df->btd", d_gate, w_gate, operands)
+           + matmul("btf,df->btd", d_up, w_up, operands)).astype(x.dtype)
     return d_x, d_w_gate, d_w_up
 
 

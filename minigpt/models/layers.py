@@ -27,7 +27,7 @@ import minigpt.models.fp8 as fp8
 import minigpt.models.kernels as kernels
 from minigpt import parallel, sharding
 from minigpt.config import ModelConfig
-from minigpt.models.execution import compute_dtype
+from minigpt.models.execution import compute_dtype, operand_dtype
 from minigpt.models.masks import AttentionInputs, within_window
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
@@ -40,6 +40,18 @@ DECAYED_PARAMETERS = ("kernel", "table")
 # Projections from the block's inner features back to the embedding (attention's `out`, the
 # MLP's `down`): every axis but the last is an input. Muon reads them so (minigpt.optim.optimizer).
 OUTPUT_PROJECTIONS = ("out", "down")
+
+
+def product(spec: str, x: jax.Array, w: jax.Array, *, dtype, operands) -> jax.Array:
+    """A projection's `jnp.einsum(spec, x, w)` in `dtype`, its operands cast to `operands`
+    (a CPU's bfloat16: bfloat16 operands accumulated in float32, `execution.operand_dtype`),
+    under FP8 where the model runs so (`minigpt.models.fp8`), its contracted dimensions in
+    the kernel's order inside the decoding engine's programs (`kernel_order_einsum`)."""
+    if fp8.active():  # model.fp8 (minigpt.models.fp8)
+        return fp8.einsum(spec, x.astype(dtype), w.astype(dtype))
+    einsum = kernel_order_einsum if _kernel_order.get() else jnp.einsum
+    precision = {} if operands == dtype else {"preferred_element_type": dtype}
+    return einsum(spec, x.astype(operands), w.astype(operands), **precision)
 
 
 def param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...],
@@ -129,7 +141,7 @@ def in_kernel_order() -> Iterator[None]:
         _kernel_order.reset(token)
 
 
-def kernel_order_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def kernel_order_einsum(spec: str, x: jax.Array, w: jax.Array, **precision) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a projection, its contracted dimensions taken in the
     kernel's order. jnp.einsum orders them its own way ("BTNH,NHD->BTD" contracts H before N),
     and XLA's CPU backend then transposes the kernel [N, H, D] to [H, N, D] to match: inside a
@@ -140,11 +152,12 @@ def kernel_order_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     xs, ws = inputs.split(",")
     contracted = [c for c in ws if c in xs and c not in out]
     if "." in spec or len(contracted) < 2:
-        return jnp.einsum(spec, x, w)
+        return jnp.einsum(spec, x, w, **precision)
     batch = [c for c in ws if c in xs and c in out]
     y = jax.lax.dot_general(x, w, (([xs.index(c) for c in contracted],
                                     [ws.index(c) for c in contracted]),
-                                   ([xs.index(c) for c in batch], [ws.index(c) for c in batch])))
+                                   ([xs.index(c) for c in batch], [ws.index(c) for c in batch])),
+                            **precision)
     order = batch + [c for c in xs if c not in ws] + [c for c in ws if c not in xs]
     return y if order == list(out) else y.transpose([order.index(c) for c in out])
 
@@ -159,6 +172,7 @@ class Dense(nnx.Module):
     def __init__(self, spec: str, shape: tuple[int, ...], axes: tuple[str, ...], *,
                  init: Initializer, use_bias: bool, dtype: str, rngs: nnx.Rngs):
         self.spec, self.dtype = spec, jnp.dtype(compute_dtype(dtype))
+        self.operands = jnp.dtype(operand_dtype(dtype))
         x_letters, k_letters = spec.split("->")[0].split(",")
         ins = [i for i, letter in enumerate(k_letters) if letter in x_letters]
         outs = [i for i, letter in enumerate(k_letters) if letter not in x_letters]
@@ -176,9 +190,7 @@ class Dense(nnx.Module):
         self.lora = nnx.data(None)  # a low-rank adapter, when one is attached (models.lora)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        product = (fp8.einsum if fp8.active()  # model.fp8 (minigpt.models.fp8)
-                   else kernel_order_einsum if _kernel_order.get() else jnp.einsum)
-        y = product(self.spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = product(self.spec, x, self.kernel[...], dtype=self.dtype, operands=self.operands)
         if self.lora is not None:
             y = y + self.lora(x.astype(self.dtype))
         if self.bias is None:
@@ -196,15 +208,15 @@ class Embedding(nnx.Module):
     def __init__(self, num: int, dim: int, axes: tuple[str | None, str], *,
                  init: Initializer, dtype: str, rngs: nnx.Rngs):
         self.dtype = jnp.dtype(compute_dtype(dtype))
+        self.operands = jnp.dtype(operand_dtype(dtype))
         self.table = param(rngs, init, (num, dim), axes)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.table[...], ids, axis=0).astype(self.dtype)  # [B, T, D]
 
     def attend(self, x: jax.Array) -> jax.Array:
-        product = (fp8.einsum if fp8.active()  # model.fp8 (minigpt.models.fp8)
-                   else kernel_order_einsum if _kernel_order.get() else jnp.einsum)
-        return product("...D,VD->...V", x.astype(self.dtype), self.table[...].astype(self.dtype))
+        return product("...D,VD->...V", x, self.table[...], dtype=self.dtype,
+                       operands=self.operands)
 
 
 class LayerNorm(nnx.Module):

@@ -20,7 +20,7 @@ from typing import Any
 
 from minigpt import sharding
 from minigpt.config import ModelConfig, TrainConfig
-from minigpt.models import execution, fp8, lora
+from minigpt.models import execution, flops, fp8, lora
 
 # The longest default warm-up, in steps, and the share of the run it takes below that.
 MAX_DEFAULT_WARMUP = 100
@@ -82,6 +82,7 @@ class Resolved:
     warmup_steps: int
     layout: sharding.Layout
     adapters: lora.Adapters | None
+    dtype_reason: str = ""  # why an "auto" dtype became what it is, where it was measured
 
     def record(self) -> dict[str, Any]:
         """What config.json records of it ("resolved"), beside what was asked."""
@@ -107,7 +108,23 @@ def resolve(model_cfg: ModelConfig, train_cfg: TrainConfig, layout: sharding.Lay
     adapters. `layout` is the run's, checked (`layout(...)`); FP8 where the devices have no
     FP8 products is refused here, before anything is written (`fp8.check`)."""
     fp8.check(model_cfg)
-    return Resolved(model=execution.for_backend(model_cfg, platform, remat=remat),
+    dtype, reason = training_dtype(model_cfg.dtype, platform)
+    return Resolved(model=execution.for_backend(dataclasses.replace(model_cfg, dtype=dtype),
+                                                platform, remat=remat),
                     seq_len=seq_len(model_cfg, train_cfg),
                     warmup_steps=warmup_steps(train_cfg, horizon), layout=layout,
-                    adapters=adapters(train_cfg))
+                    adapters=adapters(train_cfg), dtype_reason=reason)
+
+
+def training_dtype(choice: str, platform: str | None = None) -> tuple[str, str]:
+    """What a training run's `model.dtype` computes with, and why where "auto" decided it by
+    measurement: on a CPU, bfloat16 operands (float32 accumulation and float32 elsewhere:
+    `execution.operand_dtype`) where this machine's bfloat16 products run at least
+    `flops.BFLOAT16_PAYS` times its float32 ones, float32 otherwise; elsewhere as
+    `execution` resolves it (bfloat16 on accelerators)."""
+    if choice != "auto" or execution.backend(platform) != "cpu":
+        return execution.resolved_dtype(choice, platform), ""
+    speedup, source = flops.bfloat16_speedup()
+    chosen = "bfloat16" if speedup >= flops.BFLOAT16_PAYS else "float32"
+    return chosen, (f"auto: bfloat16 products run {speedup:.1f}x float32's ({source}; "
+                    f"bfloat16 operands from {flops.BFLOAT16_PAYS}x)")

@@ -21,7 +21,7 @@ from pathlib import Path
 from minigpt.decoding import Engine
 from minigpt.decoding.engine import TARGET_CALL_SECONDS
 from minigpt.errors import UserError
-from minigpt.models.execution import compute_dtype
+from minigpt.models.execution import operand_dtype
 from minigpt.runs import load_run
 from minigpt.serve.service import Service
 
@@ -78,7 +78,7 @@ def open_service(run_dir: str | Path, *, preset: str = "dp", max_batch: int = 16
     name = name or path.resolve().name
     created = int((path / "config.json").stat().st_mtime)
     return Service(engine=engine, tokenizer=run.tokenizer, name=name,
-                   dtype=compute_dtype(dtype),
+                   dtype=operand_dtype(dtype),
                    context=context, vocab_size=run.model.config.vocab_size,
                    max_batch=max_batch, api_key=api_key,
                    aliases=frozenset({str(run_dir), str(path.resolve())}), created=created)

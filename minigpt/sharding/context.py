@@ -32,6 +32,9 @@ class Context:
     rules: Rules = ()
     pipeline: Pipeline = Pipeline()
     kernels: str = "auto"  # minigpt.models.kernels: "auto" or a set (minigpt.config.KERNELS)
+    # The dtype the running model's products take their operands in (minigpt.models.execution:
+    # bfloat16 on a CPU means bfloat16 operands, float32 accumulation): what kernels read.
+    operands: str = "float32"
     context_parallel: ContextParallel = ContextParallel()
     experts: Experts = Experts()
     # Run the Splash attention kernel in Pallas' interpreter (any backend, slowly): how the

@@ -367,17 +367,17 @@ class Profiler:
 
 
 def for_run(run, *, say) -> Recorder:
-    """The recorder of a training run (`minigpt.train.trainer.Run`), after saying in its first
-    lines how it is laid out, what it computes with and what MFU is measured against."""
+    """A training run's recorder, after its first lines: layout, what it computes, MFU's peak."""
     cfg, settled = run.train_cfg, run.settled
     tokens_per_step = cfg.batch_size * settled.seq_len * (2 if cfg.objective == "dpo" else 1)
     peak = flops.device_peak(settled.model.dtype)
     preset = run.layout.preset
     if note := shadowed(run.train_cfg.preset, preset.path):
         say(note)
+    computes = kernels.describe(run.model_cfg.kernels, settled.model.dtype) + (
+        f" ({settled.dtype_reason})" if settled.dtype_reason else "")
     say(f"preset {preset.name} ({preset.path}) on mesh {dict(run.layout.mesh.shape)}; "
-        f"{tokens_per_step:,} "
-        f"tokens/step; {kernels.describe(run.model_cfg.kernels, run.model_cfg.dtype)}; MFU "
+        f"{tokens_per_step:,} tokens/step; {computes}; MFU "
         f"against {peak.flops / 1e12:.2f} TFLOP/s per device ({peak.source})")
     if run.layout.pipeline.microbatches:
         say(pipeline.describe(run.layout.stages, run.model_cfg.num_layers, run.layout.pipeline,

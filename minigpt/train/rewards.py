@@ -49,7 +49,7 @@ class Reward:
             module = importlib.util.module_from_spec(loader)
             sys.modules[module_name] = module  # dataclasses and pickling look modules up
             loader.loader.exec_module(module)
-        except Exception as error:  # whatever the user's file raises on import
+        except (Exception, SystemExit) as error:  # whatever the user's file raises on import
             raise RewardError(f"--reward {spec}: {self.path} does not import: "
                               f"{type(error).__name__}: {first_line(error)}") from None
         self.function = getattr(module, func, None)
@@ -70,7 +70,7 @@ class Reward:
                 lambda: self.function(**arguments), timeout, late)
         except RewardError:
             raise
-        except Exception as error:  # whatever the user's function raises
+        except (Exception, SystemExit) as error:  # whatever the user's function raises
             raise RewardError(f"{where} raised {type(error).__name__}: "
                               f"{first_line(error)}") from None
         return _checked(value, count, where)

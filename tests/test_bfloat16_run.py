@@ -1,6 +1,7 @@
-"""A bfloat16 run on a CPU, the accelerators' default (`model.dtype` auto): it trains, says what
-it computes in, resumes exactly, and its checkpoints hold float32 weights that a float32 run
-continues from: checkpoints do not depend on the compute dtype."""
+"""A bfloat16 run on a CPU (bfloat16 operands accumulated in float32 there; the accelerators'
+default computes in bfloat16): it trains, says what it computes with, resumes exactly, and
+its checkpoints hold float32 weights that a float32 run continues from: checkpoints do not
+depend on the compute dtype."""
 
 import dataclasses
 import math

@@ -24,6 +24,9 @@ from minigpt.train import cli
     (dict(dtype="float16"), "model.dtype must be one of"),
     (dict(num_layers=0), "model.num_layers must be positive, got 0"),
     (dict(arch="gpt2", qk_norm=True), "model.qk_norm is a llama option"),
+    (dict(arch="llama", options={"qk_norm": True}), "unknown ModelConfig field 'options'"),
+    (dict(arch="llama", qk_norm=True, llama={"qk_norm": False}),
+     "model.qk_norm is given twice"),
 ])
 def test_model_config_refuses_what_cannot_build(changes, message):
     with pytest.raises(ConfigError) as e:

@@ -246,13 +246,15 @@ def test_decoding_casts_the_weights_once_to_what_each_layer_computes_in():
             layer = layers.get(tuple(path[:-1]))
             original = originals[path].get_value()
             if layer is not None:
-                assert variable.get_value().dtype == layer.dtype, path
+                want = layer.operands if path[-1] == "kernel" else layer.dtype
+                assert variable.get_value().dtype == want, path
                 np.testing.assert_array_equal(np.asarray(variable.get_value(), np.float32),
-                                              np.asarray(original.astype(layer.dtype),
+                                              np.asarray(original.astype(want),
                                                          np.float32))
             else:
                 assert variable.get_value() is original, path
-        assert any(layer.dtype == jnp.float32 for layer in layers.values()) == (name == "moe-tiny")
+        assert any(layer.operands == jnp.float32
+                   for layer in layers.values()) == (name == "moe-tiny")
         decode = nnx.jit(lambda m, x, positions, cache: m.decode(x, positions, cache)[0])
         tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
         positions = jnp.arange(4, dtype=jnp.int32)[None]

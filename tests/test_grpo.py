@@ -146,6 +146,14 @@ def test_a_reward_that_goes_wrong_is_one_line_naming_it(case, setup, tmp_path, c
     assert spec.split(":")[0] in line
 
 
+def test_the_batch_is_checked_against_the_groups_the_command_line_sets(setup, tmp_path):
+    """--batch-size 4 with --set train.num_generations=4 (the default is 8): whole groups."""
+    args = _args(setup, tmp_path / "out")
+    args[args.index("--batch-size") + 1] = "4"
+    _, train_cfg = cli.resolve_configs(cli.build_parser().parse_args(args))
+    assert (train_cfg.batch_size, train_cfg.num_generations) == (4, 4)
+
+
 def test_a_broken_reward_file_is_one_line(setup, tmp_path, capsys):
     broken = tmp_path / "broken.py"
     broken.write_text("import nothing_of_the_sort\n")

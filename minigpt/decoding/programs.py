@@ -187,9 +187,11 @@ def cache_dtype(model: DecoderLM):
 
 
 def compute_dtypes(model: nnx.Module) -> dict[tuple, Any]:
-    """The dtype each `Dense` and `Embedding` layer casts its weights to (its products'
-    operands), by its parameters' paths."""
-    return {(*path, name): layer.operands for path, layer in nnx.iter_graph(model)
+    """The dtype each `Dense` and `Embedding` layer casts its weights to on every call, by
+    their paths: a kernel to its products' operands, a bias and a table to what the layer
+    computes in (a table is also looked up, in that dtype: on a CPU's bfloat16, float32)."""
+    return {(*path, name): layer.operands if name == "kernel" else layer.dtype
+            for path, layer in nnx.iter_graph(model)
             if isinstance(layer, Dense | Embedding) for name in ("kernel", "bias", "table")}
 
 

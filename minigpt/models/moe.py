@@ -81,9 +81,10 @@ class Experts(nnx.Module):
                           init=out_init, **common)
 
     def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """gate, up [E, D, F] and down [E, F, D] in the compute dtype."""
-        dtype = self.gate.dtype
-        return tuple(w.kernel[...].astype(dtype) for w in (self.gate, self.up, self.down))
+        """gate, up [E, D, F] and down [E, F, D] in the compute dtype, rounded as the layers'
+        products round their operands (a CPU's bfloat16: to bfloat16, computed in float32)."""
+        return tuple(w.kernel[...].astype(w.operands).astype(w.dtype)
+                     for w in (self.gate, self.up, self.down))
 
     def __call__(self, buffer: jax.Array) -> jax.Array:
         """Each expert on its own rows of a buffer [B, E, C, D]."""
@@ -125,7 +126,9 @@ class MoE(nnx.Module):
             y = dispatch.dropless(x, chosen, weights, self.experts.weights(),
                                   kernels.active().expert_ffn)
         if self.shared is not None:
-            gate = jnp.einsum("btd,do->bto", x, whole(self.shared_gate).astype(x.dtype))
+            ops = self.shared_gate.operands  # a CPU's bfloat16: bfloat16 operands, into x's
+            gate = jnp.einsum("btd,do->bto", x.astype(ops), whole(self.shared_gate).astype(ops),
+                              preferred_element_type=x.dtype)
             y = y + jax.nn.sigmoid(gate) * self.shared(x)
         return y, self.aux(logits, probs, chosen, dropped)
 

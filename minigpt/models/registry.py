@@ -79,6 +79,13 @@ def from_dict(values: dict[str, Any]) -> ModelConfig:
     if section is not None and not isinstance(section, dict):
         raise ConfigError(f"model.{arch} must be a table of the {arch} family's settings, got "
                           f"{section!r}")
+    if values.get("options") is not None:  # (a null one, as dataclasses.asdict writes, is none)
+        raise ConfigError(f"unknown ModelConfig field 'options': a family's settings go under "
+                          f"its name (\"{arch}\": {{...}})")
+    twice = sorted(set(values) & set(section or {}))
+    if twice:
+        raise ConfigError(f"model.{twice[0]} is given twice, among the shared fields and in "
+                          f"model.{arch}: keep one")
     shared = {name: tuple(value) if isinstance(value, list) and
               typing.get_origin(types[name]) is tuple else value
               for name, value in values.items() if name in types and name != "options"}

@@ -106,8 +106,8 @@ def _started_from(args: argparse.Namespace, given: dict[str, Any],
     train_fields = dict(load_recipe(args.recipe).train_fields, recipe=load_recipe(
         args.recipe).name) if args.recipe else {}
     model_cfg = models.replaced(saved.model, **changes["model"])
-    train_cfg = TrainConfig(**{**train_fields, **given, "model": name})
-    return model_cfg, dataclasses.replace(train_cfg, **changes["train"])
+    # --set with the flags: checks across fields (a batch of whole GRPO groups) see both
+    return model_cfg, TrainConfig(**{**train_fields, **given, **changes["train"], "model": name})
 
 
 def _resumed(args: argparse.Namespace, given: dict[str, Any],

@@ -161,9 +161,10 @@ def rope_fields(hf: HFConfig, rope: Any, theta: float,
     if kind == "default":
         return {"rope_theta": theta}
     if kind not in kinds:
-        scalings = " and ".join(f"{json.dumps(k)}" for k in kinds) or "no"
+        scalings = " and ".join(f"{json.dumps(k)}" for k in kinds)
+        also = f" and the {scalings} scaling(s)" if kinds else ", unscaled,"
         raise hf.fail(f"has rope_type {json.dumps(kind)}: minigpt implements plain rotary "
-                      f"embeddings and the {scalings} scaling(s) for this family")
+                      f"embeddings{also} for this family")
     fields = {"rope_theta": theta, "rope_scaling": kind,
               "rope_factor": rope.number("factor", 1.0, float)}
     if kind == "llama3":
